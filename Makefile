@@ -1,0 +1,42 @@
+# Two commands: `make demo` and `make test`. Each sets up what it needs (venv, generated gRPC
+# code, system packages) and skips what is already there.
+PY      := .venv/bin/python
+PROTOS  := $(shell find protos -name '*.proto')
+SYSPKGS := espeak-ng flite
+
+.PHONY: demo test setup sysdeps protos clean
+
+demo: setup
+	$(PY) -m vocoder_service.demo --out out/demo.wav
+
+test: setup sysdeps
+	$(PY) -m pytest -q
+
+setup: .venv/.installed splittts/.generated
+
+# torch is pinned (FACTS.md): the pin takes the CPU wheel on this kind of machine.
+.venv/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]" --config-settings editable_mode=compat
+	@touch $@
+
+splittts/.generated: $(PROTOS) protos/generate.py .venv/.installed
+	rm -rf splittts
+	$(PY) protos/generate.py .
+	@touch $@
+
+protos: splittts/.generated
+
+# System packages the tests use (real speech from flite / espeak-ng), installed when missing.
+sysdeps:
+	@missing=""; for p in $(SYSPKGS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:$$missing"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -qq $$missing >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing; }; \
+	fi
+
+clean:
+	rm -rf splittts out .pytest_cache

@@ -1,0 +1,146 @@
+"""Start a grpc.aio server with health, reflection, Prometheus metrics and a SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from servicekit.errors import StatusError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Service:
+    """One gRPC service to host: its full name, the generated add function and the servicer."""
+
+    name: str
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    if isinstance(exc, StatusError):
+        await context.abort(exc.code, str(exc))
+    log.error("unhandled error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: "
+                        f"{type(exc).__name__}: {exc}")
+
+
+def _guard(behavior: Callable, method: str) -> Callable:
+    """Wrap a handler so StatusError maps to its code and anything else to INTERNAL."""
+    passthrough = (asyncio.CancelledError, grpc.aio.AbortError)
+    if inspect.isasyncgenfunction(behavior):
+        async def stream_wrapper(request, context):
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except passthrough:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the whole point of the guard
+                await _abort(context, method, exc)
+        return stream_wrapper
+
+    async def unary_wrapper(request, context):
+        try:
+            return await behavior(request, context)
+        except passthrough:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, method, exc)
+    return unary_wrapper
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns StatusError into its status and unexpected exceptions into INTERNAL, logged."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        for kind, factory in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                              ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                              ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                              ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return factory(_guard(behavior, method),
+                               request_deserializer=handler.request_deserializer,
+                               response_serializer=handler.response_serializer)
+        return handler
+
+
+async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int = 0,
+                metrics_port: int | None = 0, warmup: Callable[[], Awaitable[None] | None] | None = None,
+                grace_s: float = 10.0, on_stop: Callable[[], Awaitable[None] | None] | None = None,
+                stop_event: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop_event`), then drain in-flight calls for `grace_s`.
+
+    Health reports NOT_SERVING until `warmup` returns and again while draining. Once serving, one
+    JSON line `{"event": "serving", "port": ..., "metrics_port": ...}` goes to stdout so a parent
+    process that asked for port 0 learns the bound ports.
+    """
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [s.name for s in services]
+    for s in services:
+        s.add_to_server(s.servicer, server)
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    if bound_port == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    await server.start()
+
+    bound_metrics = None
+    if metrics_port is not None and metrics_port >= 0:
+        httpd, _ = start_http_server(metrics_port, addr=host)
+        bound_metrics = httpd.server_port
+
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+
+    if warmup is not None:
+        result = warmup()
+        if inspect.isawaitable(result):
+            await result
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(json.dumps({"event": "serving", "services": names, "host": host, "port": bound_port,
+                      "metrics_port": bound_metrics}), flush=True)
+
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    log.info("draining for up to %.1f s", grace_s)
+    await server.stop(grace_s)
+    if on_stop is not None:
+        result = on_stop()
+        if inspect.isawaitable(result):
+            await result
+    print(json.dumps({"event": "stopped", "port": bound_port}), flush=True)
+    sys.stdout.flush()
