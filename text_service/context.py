@@ -1,0 +1,60 @@
+"""Per-step attention metadata shared by every layer of the model."""
+from dataclasses import dataclass
+from functools import cached_property
+
+from torch import Tensor
+
+
+@dataclass
+class Context:
+    """What one model step needs besides token ids and positions.
+
+    Sequences are ordered decodes first: the first ``num_decodes`` sequences have exactly one
+    new token each, the rest are prefill chunks.
+    """
+
+    query_start_loc: Tensor  # int32 [B+1] cumulative new-token counts
+    seq_lens: Tensor  # int32 [B] KV length after this step (cached + new)
+    slot_mapping: Tensor  # int64 [T] KV slot of each new token (< 0: skip)
+    block_tables: Tensor  # int32 [B, max_blocks]
+    state_indices: Tensor  # int64 [B] slot of each sequence in the linear-attention state pools
+    has_initial_state: Tensor  # bool [B] False on a sequence's first chunk
+    num_decodes: int
+    logits_indices: Tensor  # int64 [n] rows of the hidden states to turn into logits
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def all_decodes(self) -> bool:
+        return self.num_decodes == self.num_seqs
+
+    @cached_property
+    def prefill_query_start_loc(self) -> Tensor:
+        """query_start_loc of the prefill sequences alone, counted from their first token."""
+        if self.num_decodes == 0:
+            return self.query_start_loc
+        return self.query_start_loc[self.num_decodes:] - self.num_decodes
+
+
+_CONTEXT: Context | None = None
+
+
+def set_context(ctx: Context) -> None:
+    """Install the metadata of the step about to run."""
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def get_context() -> Context:
+    """The metadata of the running step; raises if none was set."""
+    if _CONTEXT is None:
+        raise RuntimeError("no step context is set: call set_context() before running the model")
+    return _CONTEXT
+
+
+def reset_context() -> None:
+    """Forget the step's metadata (after the step)."""
+    global _CONTEXT
+    _CONTEXT = None

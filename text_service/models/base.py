@@ -1,0 +1,59 @@
+"""What every causal LM here shares: embeddings, LM head (tied or not), logits, cache layout."""
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from text_service.context import get_context
+from text_service.models.cache import KVCacheSpec, LinearStateSpec
+from text_service.models.layers import Linear
+
+
+class CausalLM(nn.Module):
+    """Base of the ``*ForCausalLM`` classes; subclasses build ``self.model`` (embed_tokens, layers, norm).
+
+    Checkpoint naming, declared once per class:
+    ``packed_modules_mapping``: checkpoint module name -> (fused module name, shard index);
+    ``checkpoint_renames``: checkpoint name prefix -> our prefix;
+    ``ignored_checkpoint_prefixes``: checkpoint tensors this text-only model deliberately skips.
+    """
+
+    packed_modules_mapping: dict[str, tuple[str, int]] = {}
+    checkpoint_renames: dict[str, str] = {}
+    ignored_checkpoint_prefixes: tuple[str, ...] = ()
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(config.tie_word_embeddings)
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """input_ids/positions [T] of all sequences in the step -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits [n, vocab] of the rows ``get_context().logits_indices`` of ``hidden``."""
+        hidden = hidden[get_context().logits_indices]
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def attention_layers(self) -> dict[int, nn.Module]:
+        """Layer index -> module that holds ``k_cache``/``v_cache`` (full-attention layers)."""
+        return {i: layer.self_attn.attn for i, layer in enumerate(self.model.layers) if hasattr(layer, "self_attn")}
+
+    def linear_attention_layers(self) -> dict[int, nn.Module]:
+        """Layer index -> module that holds ``conv_state``/``ssm_state`` (Gated DeltaNet layers)."""
+        return {i: layer.linear_attn for i, layer in enumerate(self.model.layers) if hasattr(layer, "linear_attn")}
+
+    def kv_cache_specs(self) -> dict[int, KVCacheSpec]:
+        """Layer index -> KV pool layout, for every full-attention layer."""
+        return {i: attn.kv_cache_spec(self.dtype) for i, attn in self.attention_layers().items()}
+
+    def state_specs(self) -> dict[int, LinearStateSpec]:
+        """Layer index -> state pool layout, for every linear-attention layer."""
+        return {i: mixer.state_spec(self.dtype) for i, mixer in self.linear_attention_layers().items()}

@@ -1,0 +1,84 @@
+"""Per-layer cache shapes, their cost in bytes, and attaching freshly allocated pools to a model."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One full-attention layer: K and V pools of ``[num_blocks, block_size, Hkv, D]``."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """K plus V bytes of one block."""
+        return 2 * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class LinearStateSpec:
+    """One Gated DeltaNet layer: conv state ``[slots, conv_dim, K-1]`` and fp32 ``[slots, Hv, Dk, Dv]``."""
+
+    conv_dim: int
+    conv_width: int  # kernel size - 1
+    num_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_dtype: torch.dtype
+    ssm_dtype: torch.dtype = torch.float32
+
+    def conv_shape(self, num_slots: int) -> tuple[int, int, int]:
+        return (num_slots, self.conv_dim, self.conv_width)
+
+    def ssm_shape(self, num_slots: int) -> tuple[int, int, int, int]:
+        return (num_slots, self.num_heads, self.key_head_dim, self.value_head_dim)
+
+    def bytes_per_slot(self) -> int:
+        conv = self.conv_dim * self.conv_width * self.conv_dtype.itemsize
+        ssm = self.num_heads * self.key_head_dim * self.value_head_dim * self.ssm_dtype.itemsize
+        return conv + ssm
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int) -> int:
+    """Bytes one KV block costs summed over all full-attention layers."""
+    return sum(spec.bytes_per_block(block_size) for spec in model.kv_cache_specs().values())
+
+
+def state_bytes_per_slot(model: nn.Module) -> int:
+    """Bytes one sequence state slot costs summed over all linear-attention layers."""
+    return sum(spec.bytes_per_slot() for spec in model.state_specs().values())
+
+
+def allocate_caches(
+    model: nn.Module, *, num_blocks: int, block_size: int, num_slots: int, device: torch.device | str
+) -> None:
+    """Allocate zeroed pools for every layer and attach them (k_cache/v_cache, conv_state/ssm_state)."""
+    kv_specs, state_specs = model.kv_cache_specs(), model.state_specs()
+    for idx, attn in model.attention_layers().items():
+        spec = kv_specs[idx]
+        shape = spec.shape(num_blocks, block_size)
+        attn.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        attn.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+    for idx, mixer in model.linear_attention_layers().items():
+        spec = state_specs[idx]
+        mixer.conv_state = torch.zeros(spec.conv_shape(num_slots), dtype=spec.conv_dtype, device=device)
+        mixer.ssm_state = torch.zeros(spec.ssm_shape(num_slots), dtype=spec.ssm_dtype, device=device)
+
+
+def copy_state_slots(model: nn.Module, src: list[int], dst: list[int]) -> None:
+    """Copy conv and recurrent state from slot ``src[i]`` to ``dst[i]`` in every linear-attention layer."""
+    if len(src) != len(dst):
+        raise ValueError(f"src and dst slot lists differ in length ({len(src)} != {len(dst)})")
+    if not src:
+        return
+    for mixer in model.linear_attention_layers().values():
+        index_src = torch.as_tensor(src, dtype=torch.long, device=mixer.ssm_state.device)
+        index_dst = torch.as_tensor(dst, dtype=torch.long, device=mixer.ssm_state.device)
+        mixer.conv_state[index_dst] = mixer.conv_state[index_src]
+        mixer.ssm_state[index_dst] = mixer.ssm_state[index_src]

@@ -1,0 +1,225 @@
+"""Qwen3.5 text model (``qwen3_5_text``): Gated DeltaNet and gated full attention layers, dense MLP."""
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import kernels
+from text_service.context import get_context
+from text_service.models.base import CausalLM
+from text_service.models.cache import LinearStateSpec
+from text_service.models.layers import (
+    GatedMLP,
+    GatedRMSNorm,
+    Linear,
+    MergedLinear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    new_parameter,
+    rope_settings,
+    split_decode_prefill,
+)
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Qwen3_5Attention(nn.Module):
+    """Full attention whose q_proj also yields a per-head output gate: o = attn * sigmoid(gate)."""
+
+    def __init__(self, config, ops, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q_proj rows are per head [q | gate], so q_proj stays one shard of 2 * q_size
+        self.qkv_proj = MergedLinear(hidden, [2 * q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = Linear(q_size, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0, ops=ops)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0, ops=ops)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        T, D = x.shape[0], self.head_dim
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q_gate = q_gate.view(T, self.num_heads, 2 * D)
+        q = self.q_norm(q_gate[..., :D])
+        k = self.k_norm(k.view(T, self.num_kv_heads, D))
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.view(T, self.num_kv_heads, D))
+        o = o * torch.sigmoid(q_gate[..., D:])
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal conv + SiLU with per-sequence left context in a state pool."""
+
+    def __init__(self, channels: int, kernel_size: int, ops) -> None:
+        super().__init__()
+        self.weight = new_parameter(channels, 1, kernel_size)  # checkpoint layout of nn.Conv1d
+        self.ops = ops
+
+    def forward(self, x: Tensor, conv_state: Tensor) -> Tensor:
+        ctx, ops = get_context(), self.ops
+        weight = self.weight.squeeze(1)
+
+        def decode(nd: int) -> Tensor:
+            return ops.causal_conv1d_update(x[:nd], weight, conv_state, ctx.state_indices[:nd])
+
+        def prefill(nd: int) -> Tensor:
+            return ops.causal_conv1d(
+                x[nd:], weight, conv_state, query_start_loc=ctx.prefill_query_start_loc,
+                state_indices=ctx.state_indices[nd:], has_initial_state=ctx.has_initial_state[nd:],
+            )
+
+        return split_decode_prefill(ctx, decode, prefill)
+
+
+class Qwen3_5GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer; the runner attaches ``conv_state`` and ``ssm_state`` pools."""
+
+    def __init__(self, config, ops) -> None:
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
+                f"linear_num_key_heads {self.num_k_heads}"
+            )
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.ops = ops
+
+        hidden, Hv = config.hidden_size, self.num_v_heads
+        self.in_proj_qkvzba = MergedLinear(hidden, [self.conv_dim, self.value_dim, Hv, Hv])
+        self.conv1d = CausalConv1d(self.conv_dim, self.conv_kernel_size, ops)
+        self.dt_bias = new_parameter(Hv)
+        self.A_log = new_parameter(Hv)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, ops)
+        self.out_proj = Linear(self.value_dim, hidden)
+        self.conv_state: Tensor | None = None
+        self.ssm_state: Tensor | None = None
+
+    def state_spec(self, dtype: torch.dtype) -> LinearStateSpec:
+        return LinearStateSpec(
+            self.conv_dim, self.conv_kernel_size - 1, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype
+        )
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        if self.conv_state is None or self.ssm_state is None:
+            raise RuntimeError("linear-attention state pools are not attached: call models.cache.allocate_caches")
+        ctx, ops = get_context(), self.ops
+        T, Hv = x.shape[0], self.num_v_heads
+        mixed_qkv, z, b, a = self.in_proj_qkvzba.split(self.in_proj_qkvzba(x))
+        mixed_qkv = self.conv1d(mixed_qkv, self.conv_state)
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.reshape(T, self.num_k_heads, self.head_k_dim))
+        k = l2_normalize(k.reshape(T, self.num_k_heads, self.head_k_dim))
+        if Hv != self.num_k_heads:  # each key head serves a run of consecutive value heads
+            q = q.repeat_interleave(Hv // self.num_k_heads, dim=1)
+            k = k.repeat_interleave(Hv // self.num_k_heads, dim=1)
+        v = v.reshape(T, Hv, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        scale = self.head_k_dim**-0.5
+        ssm_state = self.ssm_state
+
+        def decode(nd: int) -> Tensor:
+            return ops.recurrent_gated_delta_rule(
+                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
+                ssm_state=ssm_state, state_indices=ctx.state_indices[:nd], scale=scale,
+            )
+
+        def prefill(nd: int) -> Tensor:
+            return ops.chunk_gated_delta_rule(
+                q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_state=ssm_state,
+                query_start_loc=ctx.prefill_query_start_loc, state_indices=ctx.state_indices[nd:],
+                has_initial_state=ctx.has_initial_state[nd:], scale=scale,
+            )
+
+        o = split_decode_prefill(ctx, decode, prefill)
+        o = self.norm(o, z.reshape(T, Hv, self.head_v_dim))
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str, ops, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = Qwen3_5GatedDeltaNet(config, ops)
+        else:
+            self.self_attn = Qwen3_5Attention(config, ops, rotary)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
+
+    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.linear_attn(positions, x) if self.is_linear else self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config, ops, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, layer_type, ops, rotary) for layer_type in config.layer_types
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    """Qwen3.5 text LM; submodule names follow the HF checkpoint (``Qwen3_5ForCausalLM``)."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+        "in_proj_qkv": ("in_proj_qkvzba", 0),
+        "in_proj_z": ("in_proj_qkvzba", 1),
+        "in_proj_b": ("in_proj_qkvzba", 2),
+        "in_proj_a": ("in_proj_qkvzba", 3),
+    }
+    # the image-text checkpoints keep the text model under model.language_model
+    checkpoint_renames = {"model.language_model.": "model."}
+    ignored_checkpoint_prefixes = ("mtp.", "model.visual.")
+
+    def __init__(self, config, device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
+        super().__init__(config)
+        layer_types = list(config.layer_types)
+        if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must list {config.num_hidden_layers} entries of {LAYER_TYPES}")
+        device = torch.device(device)
+        ops = kernels.get_ops(device)
+        rotary_dim, base = rope_settings(config, config.head_dim, partial=True)
+        rotary = RotaryEmbedding(ops, rotary_dim, max_positions or config.max_position_embeddings, base, device)
+        self.model = Qwen3_5Model(config, ops, rotary)
