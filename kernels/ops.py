@@ -1,0 +1,60 @@
+"""The `Ops` table and its per-device choice: pure-torch reference on cpu/cuda, torch_npu on npu."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import attention, conv, delta_rule, norm, rotary
+
+
+@dataclass(frozen=True)
+class Ops:
+    """Kernel entry points for one device type; signatures are the agreed kernel API."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    gated_rms_norm: Callable
+    rotary: Callable
+    write_kv: Callable
+    paged_attention: Callable
+    paged_attention_decode: Callable
+    causal_conv1d: Callable
+    causal_conv1d_update: Callable
+    chunk_gated_delta_rule: Callable
+    recurrent_gated_delta_rule: Callable
+
+
+REFERENCE_OPS = Ops(
+    rms_norm=norm.rms_norm,
+    add_rms_norm=norm.add_rms_norm,
+    gated_rms_norm=norm.gated_rms_norm,
+    rotary=rotary.rotary,
+    write_kv=attention.write_kv,
+    paged_attention=attention.paged_attention,
+    paged_attention_decode=attention.paged_attention_decode,
+    causal_conv1d=conv.causal_conv1d,
+    causal_conv1d_update=conv.causal_conv1d_update,
+    chunk_gated_delta_rule=delta_rule.chunk_gated_delta_rule,
+    recurrent_gated_delta_rule=delta_rule.recurrent_gated_delta_rule,
+)
+
+_chosen: dict[str, Ops] = {}
+
+
+def get_ops(device: str | torch.device) -> Ops:
+    """Return the `Ops` for a device ("cpu", "cuda:1", "npu", or a torch.device of those types)."""
+    # parsed by hand: torch.device("npu") only exists once torch_npu has been imported
+    device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if device_type not in _chosen:
+        if device_type in ("cpu", "cuda"):
+            _chosen[device_type] = REFERENCE_OPS
+        elif device_type == "npu":
+            from kernels import npu  # imports torch_npu, so only when asked for
+
+            _chosen[device_type] = npu.npu_ops()
+        else:
+            raise ValueError(
+                f"no kernels for device type {device_type!r}; supported: cpu, cuda, npu"
+            )
+    return _chosen[device_type]
