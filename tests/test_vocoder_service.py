@@ -1,0 +1,233 @@
+"""The vocoder service as a real process on 127.0.0.1: streaming, health, metrics, bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from splittts.vocoder.v1 import vocoder_pb2 as pb
+from splittts.vocoder.v1 import vocoder_pb2_grpc
+from tests.procs import ROOT, ServiceProcess, metric_value
+from tests.voices import make_random_voice
+from vocoder_service.backends import OnnxBackend
+from vocoder_service.checkpoint import resolve_checkpoint
+from vocoder_service.client import mel_requests, token_requests, vocode
+from vocoder_service.mel import MelSpectrogram
+from vocoder_service.voice import load_voice
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref ** 2) / max(np.sum((ref - test) ** 2), 1e-20)))
+
+
+@pytest.fixture(scope="module")
+def voice_dir(tmp_path_factory):
+    return make_random_voice(tmp_path_factory.mktemp("voices"))
+
+
+@pytest.fixture(scope="module")
+def service(voice_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    proc = ServiceProcess("vocoder_service", "--voice", str(voice_dir), "--threads", "1",
+                          "--max-streams", "8", env={"SPLITTTS_CACHE": str(cache)})
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def speech_mel():
+    config = resolve_checkpoint().config
+    audio, rate = sf.read(ROOT / "assets" / "demo_sentence.wav", dtype="float32")
+    assert rate == config.sampling_rate
+    return MelSpectrogram(config)(audio[: rate * 1])[0].numpy()  # one second of real speech
+
+
+@pytest.fixture(scope="module")
+def offline_backend(service):
+    return OnnxBackend(intra_op_threads=1, cache_dir=None)
+
+
+def stub(service) -> vocoder_pb2_grpc.VocoderStub:
+    return vocoder_pb2_grpc.VocoderStub(service.channel())
+
+
+def test_health_reflection_and_info(service, voice_dir):
+    assert service.health() == health_pb2.HealthCheckResponse.SERVING
+    assert service.health("splittts.vocoder.v1.Vocoder") == health_pb2.HealthCheckResponse.SERVING
+    with service.channel() as ch:
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reply = next(refl.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"splittts.vocoder.v1.Vocoder", "grpc.health.v1.Health"} <= names
+        info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
+    assert [v.name for v in info.voices] == ["testvoice"]
+    assert info.voices[0].codebook_size == 64 and info.voices[0].frames_per_token == 2
+    assert info.backend == "onnxruntime" and info.receptive_field_frames >= 10
+
+
+@pytest.mark.parametrize("chunk_frames", [1, 3, 1000])
+def test_mel_stream_equals_offline(service, speech_mel, offline_backend, chunk_frames):
+    offline = offline_backend.run(speech_mel[None])[0]
+    with service.channel() as ch:
+        result = vocode(ch, mel_requests(speech_mel, chunk_frames))
+    assert result.sample_rate == 22050
+    assert len(result.audio) == speech_mel.shape[1] * 256  # no gap, no duplicate
+    assert [c.sequence_number for c in result.chunks] == list(range(len(result.chunks)))
+    assert snr_db(offline, result.audio) >= 40.0
+    assert result.summary.num_samples == len(result.audio)
+    assert result.summary.num_chunks == len(result.chunks)
+    n_messages = 2 + -(-speech_mel.shape[1] // chunk_frames)  # config, chunks, end
+    assert all(1 <= t.trigger_message < n_messages for t in result.timings)
+    assert all(t.service_ms >= t.compute_ms > 0 for t in result.timings)
+    if chunk_frames == 1:
+        assert len(result.chunks) > 2  # streamed, not one block at the end
+
+
+def test_token_stream_equals_offline(service, voice_dir, offline_backend):
+    voice = load_voice(voice_dir)
+    ids = np.random.default_rng(0).integers(0, 64, size=40)
+    offline = offline_backend.run(voice.token_decoder.decode(ids)[None])[0]
+    with service.channel() as ch:
+        result = vocode(ch, token_requests(ids.tolist(), 3))
+    assert len(result.audio) == 40 * 2 * 256
+    assert snr_db(offline, result.audio) >= 40.0
+
+
+def test_first_audio_arrives_before_end_of_stream(service, speech_mel):
+    """Audio for the first frames comes back while the client still holds back its end."""
+    release = threading.Event()
+    first_audio = []
+
+    def requests():
+        yield from mel_requests(speech_mel, 8, end=False)
+        release.wait(30)
+        yield pb.VocodeRequest(end_of_stream=True)
+
+    with service.channel() as ch:
+        for resp in vocoder_pb2_grpc.VocoderStub(ch).Vocode(requests(), timeout=60):
+            if resp.HasField("audio") and not first_audio:
+                first_audio.append(resp.audio.num_samples)
+                release.set()
+    assert first_audio and first_audio[0] > 0
+
+
+def expect_status(service, requests, code, match):
+    with pytest.raises(grpc.RpcError) as err:
+        with service.channel() as ch:
+            list(vocoder_pb2_grpc.VocoderStub(ch).Vocode(iter(requests), timeout=30))
+    assert err.value.code() == code, err.value.details()
+    assert match in err.value.details()
+
+
+def cfg(kind=pb.INPUT_KIND_MEL, voice=""):
+    return pb.VocodeRequest(config=pb.VocodeConfig(voice=voice, input_kind=kind))
+
+
+TOKENS = pb.INPUT_KIND_SPEECH_TOKENS
+BAD_INPUTS = {
+    "no config": ([pb.VocodeRequest(tokens=pb.TokenChunk(ids=[1]))], INVALID, "first message"),
+    "nothing at all": ([], INVALID, "before its config"),
+    "two configs": ([cfg(), cfg()], INVALID, "config: sent twice"),
+    "unknown voice": ([cfg(voice="nobody")], grpc.StatusCode.NOT_FOUND, "unknown voice"),
+    "no input kind": ([cfg(kind=pb.INPUT_KIND_UNSPECIFIED)], INVALID, "input_kind"),
+    "token outside codebook": ([cfg(TOKENS), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[3, 64]))],
+                               INVALID, "id 64 is outside the codebook [0, 64)"),
+    "mel wrong width": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=40, values=[0.0] * 40))],
+                        INVALID, "mel.num_mels must be 80"),
+    "mel ragged": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[0.0] * 81))],
+                   INVALID, "whole number"),
+    "nan": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[float("nan")] * 80))],
+            INVALID, "must be finite"),
+    "inf": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[float("inf")] * 80))],
+            INVALID, "must be finite"),
+    "empty stream": ([cfg(), pb.VocodeRequest(end_of_stream=True)], INVALID, "empty stream"),
+    "chunk over limit": ([cfg(TOKENS), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[1] * 5000))],
+                         INVALID, "exceed the limit of 4096"),
+    "tokens on a mel stream": ([cfg(), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[1]))],
+                               INVALID, "configured for INPUT_KIND_MEL"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_clear_status_and_service_keeps_serving(service, case):
+    requests, code, match = BAD_INPUTS[case]
+    expect_status(service, requests, code, match)
+    assert service.alive()
+    with service.channel() as ch:  # the next good stream still works
+        result = vocode(ch, token_requests([1, 2, 3, 4, 5, 6], 6))
+    assert len(result.audio) == 6 * 2 * 256
+
+
+def wait_for_streams(service, n: int, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        with service.channel() as ch:
+            active = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5).active_streams
+        if active == n or time.monotonic() > deadline:
+            return active
+        time.sleep(0.05)
+
+
+def test_vanished_client_frees_its_stream(service, speech_mel):
+    stop = threading.Event()
+
+    def requests():
+        yield from mel_requests(speech_mel, 4, end=False)
+        stop.wait(30)
+
+    with service.channel() as ch:
+        call = vocoder_pb2_grpc.VocoderStub(ch).Vocode(requests(), timeout=60)
+        next(call)  # the stream is open and producing audio
+        assert wait_for_streams(service, 1) == 1
+        call.cancel()
+    stop.set()
+    assert wait_for_streams(service, 0) == 0
+    text = service.metrics()
+    assert metric_value(text, "splittts_vocoder_active_streams") == 0.0
+    assert (metric_value(text, "splittts_vocoder_streams_total", 'outcome="cancelled"') or 0) >= 1
+
+
+def test_metrics_exported(service):
+    text = service.metrics()
+    for name in ("splittts_vocoder_first_audio_seconds_count", "splittts_vocoder_rtf_count",
+                 "splittts_vocoder_chunk_compute_seconds_count", "splittts_vocoder_batch_size_count"):
+        assert (metric_value(text, name) or 0) > 0, name
+
+
+def test_admission_cap_and_sigterm_drain(voice_dir, tmp_path, speech_mel):
+    proc = ServiceProcess("vocoder_service", "--voice", str(voice_dir), "--threads", "1",
+                          "--max-streams", "1", "--grace", "20",
+                          env={"SPLITTTS_CACHE": str(tmp_path)})
+    release = threading.Event()
+
+    def slow_requests():
+        yield from mel_requests(speech_mel[:, :40], 4, end=False)
+        release.wait(30)
+        yield pb.VocodeRequest(end_of_stream=True)
+
+    try:
+        with proc.channel() as ch:
+            first = vocoder_pb2_grpc.VocoderStub(ch).Vocode(slow_requests(), timeout=60)
+            next(first)
+            expect_status(proc, [cfg()], grpc.StatusCode.RESOURCE_EXHAUSTED, "max_streams=1")
+            proc.proc.send_signal(15)  # SIGTERM: drain the open stream, refuse new work
+            time.sleep(0.5)
+            assert proc.alive()
+            release.set()
+            rest = list(first)
+            assert rest[-1].HasField("summary")
+            assert rest[-1].summary.num_samples == 40 * 256
+        assert proc.proc.wait(30) == 0
+    finally:
+        release.set()
+        proc.stop()

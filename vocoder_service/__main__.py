@@ -1,0 +1,108 @@
+"""`vocoder-service`: serve splittts.vocoder.v1 over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import servicekit  # noqa: F401  (torch backend auto-loading off before torch loads)
+from servicekit.logs import configure_logging
+from servicekit.server import Service, serve
+
+DEFAULT_VOICE_DIR = Path(__file__).resolve().parents[1] / "voices" / "default"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vocoder-service", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052, help="gRPC port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=9092,
+                   help="Prometheus /metrics port (0 picks a free one, -1 disables)")
+    p.add_argument("--voice", action="append", default=[], metavar="DIR",
+                   help="voice directory (repeatable; the first is the default). Default: "
+                        "voices/default when present, else the pretrained universal HiFi-GAN")
+    p.add_argument("--checkpoint", help="a HiFi-GAN generator checkpoint (file or folder) to "
+                   "serve as a mel-only voice instead of --voice")
+    p.add_argument("--backend", choices=("onnx", "torch"), default="onnx")
+    p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
+    p.add_argument("--fp16", action="store_true", help="run the generator in fp16 (GPU/NPU)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
+    p.add_argument("--first-chunk-frames", type=int, default=8)
+    p.add_argument("--chunk-growth", type=float, default=2.0)
+    p.add_argument("--max-chunk-frames", type=int, default=128)
+    p.add_argument("--max-streams", type=int, default=64)
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def load(args: argparse.Namespace):
+    """Voices and one backend per distinct generator."""
+    import torch
+
+    from servicekit.device import select_device
+    from vocoder_service.backends import OnnxBackend, TorchBackend
+    from vocoder_service.checkpoint import resolve_checkpoint
+    from vocoder_service.voice import VocoderVoice, load_voice
+
+    if args.checkpoint:
+        ckpt = resolve_checkpoint(args.checkpoint)
+        voices = [VocoderVoice(Path(args.checkpoint).stem, ckpt)]
+    else:
+        dirs = args.voice or ([DEFAULT_VOICE_DIR] if (DEFAULT_VOICE_DIR / "voice.json").is_file()
+                              else [None])
+        voices = [load_voice(d) for d in dirs]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    backends, by_generator = {}, {}
+    for voice in voices:
+        key = voice.generator.fingerprint
+        if key not in by_generator:
+            if args.backend == "onnx":
+                by_generator[key] = OnnxBackend(voice.generator, intra_op_threads=args.threads,
+                                                fp16=args.fp16 or None)
+            else:
+                by_generator[key] = TorchBackend(voice.generator, fp16=args.fp16,
+                                                 device=select_device(args.device))
+        backends[voice.name] = by_generator[key]
+    return voices, backends
+
+
+async def run(args: argparse.Namespace) -> None:
+    from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
+    from vocoder_service.server import VocoderLimits, VocoderServicer
+    from vocoder_service.stream import ChunkPolicy
+
+    voices, backends = load(args)
+    servicer = VocoderServicer(
+        voices, backends,
+        policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames),
+        limits=VocoderLimits(max_streams=args.max_streams))
+    servicer.start()
+
+    def warmup() -> None:
+        for backend in {id(b): b for b in backends.values()}.values():
+            backend.warmup()
+
+    name = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name
+    await serve([Service(name, vocoder_pb2_grpc.add_VocoderServicer_to_server, servicer)],
+                host=args.host, port=args.port,
+                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                warmup=warmup, grace_s=args.grace, on_stop=servicer.close)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(run(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"vocoder-service: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Generator backends: torch on any device, and ONNX Runtime over a cached export."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from vocoder_service.checkpoint import GeneratorCheckpoint, load_generator, resolve_checkpoint
+from vocoder_service.hifigan import Generator, HifiGanConfig
+
+log = logging.getLogger(__name__)
+
+ONNX_OPSET = 17
+_EXPORT_VERSION = 1  # bump when the exported graph changes, so stale cache entries are not reused
+GRAPH_OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+
+
+def default_cache_dir() -> Path:
+    """`$SPLITTTS_CACHE/onnx`, else `~/.cache/split-tts/onnx`."""
+    root = os.environ.get("SPLITTTS_CACHE") or "~/.cache/split-tts"
+    return Path(root).expanduser() / "onnx"
+
+
+class Backend:
+    """Runs the generator: mel `[B, num_mels, frames]` float32 -> audio `[B, frames * hop]` float32."""
+
+    name = "base"
+    config: HifiGanConfig
+
+    @property
+    def hop_size(self) -> int:
+        return self.config.hop_size
+
+    @property
+    def num_mels(self) -> int:
+        return self.config.num_mels
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.sampling_rate
+
+    @property
+    def receptive_field(self) -> tuple[int, int]:
+        """(left, right) mel frames of context for exact chunked synthesis."""
+        return self.config.receptive_field
+
+    @property
+    def device(self) -> str:
+        raise NotImplementedError
+
+    def run(self, mel: np.ndarray | torch.Tensor) -> np.ndarray:
+        """Vocode a batch of equal-length mel windows in one forward."""
+        raise NotImplementedError
+
+    def warmup(self, frames: int = 16) -> None:
+        """One throw-away forward so the first real request does not pay for allocation."""
+        self.run(np.zeros((1, self.num_mels, frames), dtype=np.float32))
+
+    def _check(self, mel: np.ndarray | torch.Tensor) -> None:
+        if mel.ndim != 3 or mel.shape[1] != self.num_mels or mel.shape[2] < 1:
+            raise ValueError(f"mel must be [batch, {self.num_mels}, frames >= 1] "
+                             f"(got shape {tuple(mel.shape)})")
+
+
+class TorchBackend(Backend):
+    """The torch generator on any torch device, optionally in fp16."""
+
+    name = "torch"
+
+    def __init__(self, generator: Generator | GeneratorCheckpoint | str | Path | None = None, *,
+                 device: str | torch.device = "cpu", fp16: bool = False):
+        dtype = torch.float16 if fp16 else torch.float32
+        if not isinstance(generator, Generator):
+            generator = load_generator(generator)
+        self.generator = generator.remove_weight_norm().eval().to(device=device, dtype=dtype)
+        self.config = generator.config
+        self.dtype = dtype
+        self._device = torch.device(device)
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    def run(self, mel: np.ndarray | torch.Tensor) -> np.ndarray:
+        self._check(mel)
+        x = torch.as_tensor(mel).to(device=self._device, dtype=self.dtype)
+        with torch.inference_mode():
+            audio = self.generator(x)[:, 0]
+        return audio.float().cpu().numpy()
+
+
+class _ExportWrapper(nn.Module):
+    """Fixes the exported interface to float32 `[B, frames*hop]` whatever the inner precision."""
+
+    def __init__(self, generator: Generator, fp16: bool):
+        super().__init__()
+        self.generator = generator
+        self.fp16 = fp16
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = mel.half() if self.fp16 else mel
+        return self.generator(x)[:, 0].float()
+
+
+def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False) -> Path:
+    """Export the generator (legacy exporter, opset 17, dynamic batch and time); atomic write."""
+    # tracing runs the model: fp16 convs are very slow on CPU, so trace on a GPU when there is
+    # one, and on as few frames as possible (the exported axes are dynamic anyway)
+    device = "cuda" if fp16 and torch.cuda.is_available() else "cpu"
+    generator = load_generator(checkpoint, device=device, dtype=torch.float16 if fp16 else torch.float32)
+    wrapper = _ExportWrapper(generator, fp16).eval()
+    dummy = torch.zeros(1, checkpoint.config.num_mels, 2, device=device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".onnx.tmp")
+    os.close(fd)
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            # the legacy exporter is chosen on purpose (FACTS: it gives the verified graph)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(wrapper, (dummy,), tmp, dynamo=False, opset_version=ONNX_OPSET,
+                              input_names=["mel"], output_names=["audio"],
+                              dynamic_axes={"mel": {0: "batch", 2: "frames"},
+                                            "audio": {0: "batch", 1: "samples"}})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # concurrent exporters of the same key write identical files
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class OnnxBackend(Backend):
+    """ONNX Runtime over an export cached by checkpoint and config; CUDA in fp16 when present."""
+
+    name = "onnxruntime"
+
+    def __init__(self, checkpoint: GeneratorCheckpoint | str | Path | None = None, *,
+                 cache_dir: str | Path | None = None, use_cuda: bool | None = None,
+                 fp16: bool | None = None, intra_op_threads: int = 0,
+                 graph_optimization: str = "all"):
+        import onnxruntime as ort
+
+        if not isinstance(checkpoint, GeneratorCheckpoint):
+            checkpoint = resolve_checkpoint(checkpoint)
+        if graph_optimization not in GRAPH_OPTIMIZATION_LEVELS:
+            raise ValueError(f"graph_optimization must be one of {GRAPH_OPTIMIZATION_LEVELS} "
+                             f"(got {graph_optimization!r})")
+        if intra_op_threads < 0:
+            raise ValueError(f"intra_op_threads must be >= 0, 0 meaning ORT's default (got {intra_op_threads})")
+        cuda_present = "CUDAExecutionProvider" in ort.get_available_providers()
+        if use_cuda and not cuda_present:
+            raise ValueError("use_cuda=True but onnxruntime has no CUDAExecutionProvider "
+                             "(install onnxruntime-gpu on a CUDA host)")
+        self.use_cuda = cuda_present if use_cuda is None else use_cuda
+        self.fp16 = self.use_cuda if fp16 is None else fp16
+        self.config = checkpoint.config
+        self.checkpoint = checkpoint
+
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        precision = "fp16" if self.fp16 else "fp32"
+        self.model_path = cache / (f"hifigan-{checkpoint.fingerprint[:24]}-v{_EXPORT_VERSION}"
+                                   f"-op{ONNX_OPSET}-{precision}.onnx")
+        self.exported = not self.model_path.is_file()
+        if self.exported:
+            log.info("exporting %s to %s", checkpoint.path, self.model_path)
+            export_onnx(checkpoint, self.model_path, fp16=self.fp16)
+
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[graph_optimization]
+        opts.intra_op_num_threads = intra_op_threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        providers: list = ["CPUExecutionProvider"]
+        if self.use_cuda:
+            providers.insert(0, ("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"}))
+        self.session = ort.InferenceSession(str(self.model_path), opts, providers=providers)
+
+    @property
+    def device(self) -> str:
+        return self.session.get_providers()[0]
+
+    def run(self, mel: np.ndarray | torch.Tensor) -> np.ndarray:
+        self._check(mel)
+        if isinstance(mel, torch.Tensor):
+            mel = mel.detach().cpu().numpy()
+        x = np.ascontiguousarray(mel, dtype=np.float32)
+        return self.session.run(["audio"], {"mel": x})[0]
+
+
+BACKEND_KINDS = ("onnxruntime", "torch")
+
+
+def create_backend(kind: str = "onnxruntime", checkpoint: GeneratorCheckpoint | str | Path | None = None, *,
+                   device: str = "auto", fp16: bool | None = None, intra_op_threads: int = 0,
+                   cache_dir: str | Path | None = None) -> Backend:
+    """Backend by name. device: 'auto', 'cpu', 'cuda[:i]', 'npu' (torch only); fp16 None = on GPUs."""
+    if kind in ("onnxruntime", "onnx", "ort"):
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"the onnxruntime backend runs on 'cpu' or 'cuda' (got {device!r})")
+        use_cuda = None if device == "auto" else device == "cuda"
+        return OnnxBackend(checkpoint, cache_dir=cache_dir, use_cuda=use_cuda, fp16=fp16,
+                           intra_op_threads=intra_op_threads)
+    if kind == "torch":
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_gpu = not device.startswith("cpu")
+        return TorchBackend(checkpoint, device=device, fp16=on_gpu if fp16 is None else fp16)
+    raise ValueError(f"backend must be one of {BACKEND_KINDS} (got {kind!r})")

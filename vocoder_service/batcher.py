@@ -1,0 +1,88 @@
+"""Vocodes the ready jobs of many streams together, one batched forward per backend at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from vocoder_service.backends import Backend
+from vocoder_service.stream import Job, vocode_jobs
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A job's window audio and what it cost."""
+
+    audio: np.ndarray
+    compute_ms: float  # this job's share of its forward, by frames
+    queue_ms: float  # submitted -> its forward started
+    batch_size: int
+
+
+@dataclass
+class _Pending:
+    job: Job
+    future: asyncio.Future
+    submitted: float
+
+
+class Batcher:
+    """Collects jobs while a forward runs; the next forward takes everything collected."""
+
+    def __init__(self, backend: Backend, max_batch: int = 32, on_batch=None):
+        self.backend = backend
+        self.max_batch = max_batch
+        self.on_batch = on_batch  # callback(batch_size, seconds) for metrics
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocode")
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def submit(self, job: Job) -> asyncio.Future:
+        """Queue `job`; the future resolves to its JobResult. Cancel it to drop the job."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(job, future, time.perf_counter()))
+        self._wake.set()
+        return future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                live = [p for p in self._pending if not p.future.cancelled()]
+                batch, self._pending = live[:self.max_batch], live[self.max_batch:]
+                if not batch:
+                    break
+                started = time.perf_counter()
+                try:
+                    audio = await loop.run_in_executor(
+                        self._executor, vocode_jobs, self.backend, [p.job for p in batch])
+                except Exception as exc:  # noqa: BLE001 - hand the failure to every waiter
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(exc)
+                    continue
+                seconds = time.perf_counter() - started
+                if self.on_batch is not None:
+                    self.on_batch(len(batch), seconds)
+                frames = sum(p.job.window_frames for p in batch)
+                for p, a in zip(batch, audio):
+                    if not p.future.done():
+                        p.future.set_result(JobResult(
+                            a, 1e3 * seconds * p.job.window_frames / frames,
+                            1e3 * (started - p.submitted), len(batch)))

@@ -1,0 +1,206 @@
+"""HiFi-GAN generator: V1, V2 and V3 are this code with different JSON configs."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+LRELU_SLOPE = 0.1
+_REQUIRED = ("resblock", "upsample_rates", "upsample_kernel_sizes", "upsample_initial_channel",
+             "resblock_kernel_sizes", "resblock_dilation_sizes")
+
+
+@dataclass(frozen=True)
+class HifiGanConfig:
+    """Generator architecture and the mel recipe it was trained on (jik876 config.json keys)."""
+
+    resblock: str
+    upsample_rates: tuple[int, ...]
+    upsample_kernel_sizes: tuple[int, ...]
+    upsample_initial_channel: int
+    resblock_kernel_sizes: tuple[int, ...]
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...]
+    num_mels: int = 80
+    sampling_rate: int = 22050
+    n_fft: int = 1024
+    hop_size: int = 256
+    win_size: int = 1024
+    fmin: float = 0.0
+    fmax: float | None = 8000.0
+
+    def __post_init__(self) -> None:
+        if self.resblock not in ("1", "2"):
+            raise ValueError(f"resblock must be '1' or '2' (got {self.resblock!r})")
+        if len(self.upsample_rates) != len(self.upsample_kernel_sizes) or not self.upsample_rates:
+            raise ValueError("upsample_rates and upsample_kernel_sizes must be non-empty and of equal length")
+        for u, k in zip(self.upsample_rates, self.upsample_kernel_sizes):
+            if u < 1 or k < u or (k - u) % 2:
+                raise ValueError(f"upsample kernel {k} with rate {u}: need kernel >= rate and an even "
+                                 "difference, else the output is not frames * hop_size samples long")
+        if len(self.resblock_kernel_sizes) != len(self.resblock_dilation_sizes):
+            raise ValueError("resblock_kernel_sizes and resblock_dilation_sizes must have equal length")
+        if any(k % 2 == 0 for k in self.resblock_kernel_sizes):
+            raise ValueError(f"resblock kernel sizes must be odd (got {list(self.resblock_kernel_sizes)})")
+        if self.resblock == "2" and any(len(d) != 2 for d in self.resblock_dilation_sizes):
+            raise ValueError("resblock '2' needs exactly two dilations per kernel")
+        if self.upsample_initial_channel % (2 ** len(self.upsample_rates)):
+            raise ValueError("upsample_initial_channel must halve cleanly at every upsample stage")
+        if math.prod(self.upsample_rates) != self.hop_size:
+            raise ValueError(
+                f"prod(upsample_rates) = {math.prod(self.upsample_rates)} but hop_size = {self.hop_size}: "
+                "the generator would not produce hop_size samples per mel frame; fix config.json")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HifiGanConfig":
+        """Build from a parsed config.json; training-only keys are ignored."""
+        known = {f.name for f in fields(cls)}
+        missing = [k for k in _REQUIRED if k not in data]
+        if missing:
+            raise ValueError(f"HiFi-GAN config lacks {', '.join(missing)}")
+        kw = {k: v for k, v in data.items() if k in known}
+        kw["resblock"] = str(kw["resblock"])
+        for key in ("upsample_rates", "upsample_kernel_sizes", "resblock_kernel_sizes"):
+            kw[key] = tuple(int(v) for v in kw[key])
+        kw["resblock_dilation_sizes"] = tuple(tuple(int(v) for v in d) for d in kw["resblock_dilation_sizes"])
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "HifiGanConfig":
+        """Read a jik876-style config.json."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (used to key exported models)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def receptive_field(self) -> tuple[int, int]:
+        """(left, right) mel frames an output frame depends on; see `receptive_field_frames`."""
+        return receptive_field_frames(self)
+
+
+def receptive_field_frames(config: HifiGanConfig) -> tuple[int, int]:
+    """Exact (left, right) context in mel frames that the samples of one frame depend on.
+
+    Walks the network backwards with integer index intervals: a chunk padded by this much on each
+    side and trimmed reproduces offline synthesis.
+    """
+    def conv(lo: int, hi: int, kernel: int, dilation: int) -> tuple[int, int]:
+        r = (kernel - 1) * dilation // 2
+        return lo - r, hi + r
+
+    def resblocks(lo: int, hi: int) -> tuple[int, int]:
+        widest = 0
+        for k, dilations in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes):
+            r = sum((k - 1) * d // 2 for d in dilations)
+            if config.resblock == "1":
+                r += len(dilations) * (k - 1) // 2
+            widest = max(widest, r)
+        return lo - widest, hi + widest
+
+    frame = 1_000  # any frame away from the edges
+    lo, hi = frame * config.hop_size, (frame + 1) * config.hop_size - 1
+    lo, hi = conv(lo, hi, 7, 1)  # conv_post
+    for u, k in reversed(list(zip(config.upsample_rates, config.upsample_kernel_sizes))):
+        lo, hi = resblocks(lo, hi)
+        p = (k - u) // 2
+        # output n of a transposed conv reads inputs j with n + p - k < j*u <= n + p
+        lo, hi = -((-(lo + p - k + 1)) // u), (hi + p) // u
+    lo, hi = conv(lo, hi, 7, 1)  # conv_pre
+    return frame - lo, hi - frame
+
+
+class ResBlock1(nn.Module):
+    """Pairs of (dilated conv, plain conv) with a residual around each pair."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=(kernel_size - 1) * d // 2))
+            for d in dilations)
+        self.convs2 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2))
+            for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c1, c2 in zip(self.convs1, self.convs2):
+            x = x + c2(F.leaky_relu(c1(F.leaky_relu(x, LRELU_SLOPE)), LRELU_SLOPE))
+        return x
+
+
+class ResBlock2(nn.Module):
+    """Dilated convs with a residual around each (the V3 block)."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+        super().__init__()
+        self.convs = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=(kernel_size - 1) * d // 2))
+            for d in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c in self.convs:
+            x = x + c(F.leaky_relu(x, LRELU_SLOPE))
+        return x
+
+
+class Generator(nn.Module):
+    """Mel `[B, num_mels, frames]` -> audio `[B, 1, frames * hop_size]` in [-1, 1]."""
+
+    def __init__(self, config: HifiGanConfig):
+        super().__init__()
+        self.config = config
+        ch = config.upsample_initial_channel
+        self.num_kernels = len(config.resblock_kernel_sizes)
+        self.conv_pre = weight_norm(nn.Conv1d(config.num_mels, ch, 7, padding=3))
+        block = ResBlock1 if config.resblock == "1" else ResBlock2
+        self.ups = nn.ModuleList()
+        self.resblocks = nn.ModuleList()
+        for i, (u, k) in enumerate(zip(config.upsample_rates, config.upsample_kernel_sizes)):
+            c_in, c_out = ch // 2**i, ch // 2 ** (i + 1)
+            self.ups.append(weight_norm(nn.ConvTranspose1d(c_in, c_out, k, u, padding=(k - u) // 2)))
+            for k_rb, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes):
+                self.resblocks.append(block(c_out, k_rb, d))
+        self.conv_post = weight_norm(nn.Conv1d(c_out, 1, 7, padding=3))
+
+    @property
+    def hop_size(self) -> int:
+        return self.config.hop_size
+
+    @property
+    def receptive_field(self) -> tuple[int, int]:
+        """(left, right) context in mel frames needed for exact chunked synthesis."""
+        return receptive_field_frames(self.config)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = self.conv_pre(mel)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, LRELU_SLOPE))
+            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
+            xs = blocks[0](x)
+            for b in blocks[1:]:
+                xs = xs + b(x)
+            x = xs / self.num_kernels
+        # the reference uses leaky_relu's default slope (0.01) here, not LRELU_SLOPE
+        x = self.conv_post(F.leaky_relu(x, 0.01))
+        return torch.tanh(x)
+
+    def remove_weight_norm(self) -> "Generator":
+        """Fold weight norm into plain weights (for inference and export); idempotent."""
+        for m in self.modules():
+            if parametrize.is_parametrized(m, "weight"):
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+        return self
+
+    @property
+    def has_weight_norm(self) -> bool:
+        return any(parametrize.is_parametrized(m, "weight") for m in self.modules())

@@ -1,0 +1,243 @@
+"""gRPC servicer of splittts.vocoder.v1: many concurrent streams, one batcher per generator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted
+from servicekit.logs import log_event
+from splittts.vocoder.v1 import vocoder_pb2 as pb
+from splittts.vocoder.v1 import vocoder_pb2_grpc
+from vocoder_service import metrics
+from vocoder_service.backends import Backend
+from vocoder_service.batcher import Batcher
+from vocoder_service.stream import ChunkPolicy, VocoderStream
+from vocoder_service.voice import VocoderVoice
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class VocoderLimits:
+    """Admission and input limits."""
+
+    max_streams: int = 64
+    max_chunk_frames: int = 4096  # tokens or mel frames in one message
+    max_stream_frames: int = 22050 * 600 // 256  # ten minutes of audio
+
+
+def to_pcm16(audio: np.ndarray) -> bytes:
+    """float [-1, 1] -> little-endian int16 bytes."""
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
+    """Vocode: config first, then token or mel chunks, then end of stream; audio as it is ready."""
+
+    def __init__(self, voices: list[VocoderVoice], backends: dict[str, Backend], *,
+                 policy: ChunkPolicy | None = None, limits: VocoderLimits | None = None):
+        if not voices:
+            raise ValueError("at least one voice is required")
+        self.voices = {v.name: v for v in voices}
+        self.default_voice = voices[0].name
+        self.backends = backends  # voice name -> backend (voices may share one)
+        self.policy = policy or ChunkPolicy()
+        self.limits = limits or VocoderLimits()
+        self.active_streams = 0
+        self._batchers: dict[int, Batcher] = {}
+
+    def start(self) -> None:
+        """Start one batcher per distinct backend (call inside the running event loop)."""
+        for backend in self.backends.values():
+            if id(backend) not in self._batchers:
+                batcher = Batcher(backend, on_batch=metrics.observe_batch)
+                batcher.start()
+                self._batchers[id(backend)] = batcher
+
+    async def close(self) -> None:
+        for batcher in self._batchers.values():
+            await batcher.close()
+
+    async def GetInfo(self, request, context):
+        """Voices, backend and streams in flight."""
+        backend = self.backends[self.default_voice]
+        return pb.VocoderInfo(
+            voices=[pb.VocoderVoice(name=v.name, sample_rate_hz=v.config.sampling_rate,
+                                    hop_size=v.config.hop_size, num_mels=v.config.num_mels,
+                                    codebook_size=v.codebook_size,
+                                    frames_per_token=v.frames_per_token)
+                    for v in self.voices.values()],
+            backend=backend.name, device=backend.device, active_streams=self.active_streams,
+            max_streams=self.limits.max_streams,
+            receptive_field_frames=max(backend.receptive_field),
+            max_chunk_frames=self.limits.max_chunk_frames)
+
+    async def Vocode(self, request_iterator, context):
+        """Stream audio for a stream of speech tokens or mel frames."""
+        requests = request_iterator.__aiter__()
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("stream ended before its config: the first message must "
+                                  "be a VocodeConfig") from None
+        voice, stream = self._open(first)
+        if self.active_streams >= self.limits.max_streams:
+            metrics.STREAMS.labels("rejected").inc()
+            raise ResourceExhausted(f"{self.active_streams} streams already open (max_streams="
+                                    f"{self.limits.max_streams}); retry later")
+        self.active_streams += 1
+        metrics.ACTIVE_STREAMS.inc()
+        batcher = self._batchers[id(self.backends[voice.name])]
+        outbox: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._read(requests, stream, batcher, outbox))
+        started = time.perf_counter()
+        outcome = "cancelled"
+        summary = pb.VocodeSummary()
+        try:
+            while True:
+                item = await outbox.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                job, future, trigger = item
+                result = await future
+                chunk = stream.complete(job, result.audio)
+                now = time.perf_counter()
+                if chunk.sequence_number == 0:
+                    metrics.FIRST_AUDIO.observe(now - chunk.ready_at)
+                metrics.CHUNK_COMPUTE.observe(result.compute_ms / 1e3)
+                summary.num_samples += chunk.num_samples
+                summary.num_frames += job.num_frames
+                summary.compute_ms += result.compute_ms
+                summary.num_chunks += 1
+                yield pb.VocodeResponse(
+                    audio=pb.AudioChunk(pcm=to_pcm16(chunk.audio),
+                                        sample_rate_hz=voice.config.sampling_rate,
+                                        first_sample=chunk.first_sample,
+                                        num_samples=chunk.num_samples,
+                                        sequence_number=chunk.sequence_number),
+                    timings=pb.ChunkTimings(compute_ms=result.compute_ms, queue_ms=result.queue_ms,
+                                            service_ms=1e3 * (now - chunk.ready_at),
+                                            trigger_message=trigger))
+            audio_s = summary.num_samples / voice.config.sampling_rate
+            if audio_s > 0:
+                metrics.RTF.observe((time.perf_counter() - started) / audio_s)
+                metrics.AUDIO_SECONDS.inc(audio_s)
+            outcome = "ok"
+            yield pb.VocodeResponse(summary=summary)
+        except InvalidArgument:
+            outcome = "invalid"
+            raise
+        finally:
+            reader.cancel()
+            while not outbox.empty():  # drop queued work of a stream nobody will read
+                item = outbox.get_nowait()
+                if isinstance(item, tuple):
+                    item[1].cancel()
+            self.active_streams -= 1
+            metrics.ACTIVE_STREAMS.dec()
+            metrics.STREAMS.labels(outcome).inc()
+            log_event(log, "stream closed", stream=stream.stream_id, outcome=outcome,
+                      samples=summary.num_samples, chunks=summary.num_chunks)
+
+    def _open(self, first: pb.VocodeRequest) -> tuple[VocoderVoice, VocoderStream]:
+        if first.WhichOneof("payload") != "config":
+            raise InvalidArgument("the first message must be a VocodeConfig (got "
+                                  f"{first.WhichOneof('payload') or 'an empty message'})")
+        cfg = first.config
+        name = cfg.voice or self.default_voice
+        voice = self.voices.get(name)
+        if voice is None:
+            raise NotFound(f"config.voice: unknown voice {name!r}; known: {sorted(self.voices)}")
+        if cfg.input_kind == pb.INPUT_KIND_UNSPECIFIED:
+            raise InvalidArgument("config.input_kind must be INPUT_KIND_SPEECH_TOKENS or "
+                                  "INPUT_KIND_MEL")
+        tokens = cfg.input_kind == pb.INPUT_KIND_SPEECH_TOKENS
+        if tokens and voice.token_decoder is None:
+            raise InvalidArgument(f"config.input_kind: voice {name!r} has no speech-token "
+                                  "decoder; send INPUT_KIND_MEL")
+        stream = VocoderStream(voice.config, policy=self.policy,
+                               token_decoder=voice.token_decoder if tokens else None,
+                               stream_id=cfg.request_id or None)
+        return voice, stream
+
+    async def _read(self, requests, stream: VocoderStream, batcher: Batcher,
+                    outbox: asyncio.Queue) -> None:
+        """Feed input into the stream and submit ready jobs, in order, to the batcher."""
+        try:
+            received, index = 0, 0
+            async for req in requests:
+                index += 1
+                kind = req.WhichOneof("payload")
+                if kind == "config":
+                    raise InvalidArgument("config: sent twice; it must be the first message only")
+                if kind == "end_of_stream":
+                    if not req.end_of_stream:
+                        raise InvalidArgument("end_of_stream must be true when set")
+                    break
+                received += self._push(stream, req, kind)
+                if received > self.limits.max_stream_frames:
+                    raise InvalidArgument(f"stream exceeds {self.limits.max_stream_frames} "
+                                          "frames (about ten minutes of audio)")
+                for job in stream.ready():
+                    outbox.put_nowait((job, batcher.submit(job), index))
+            if received == 0:
+                raise InvalidArgument("empty stream: no tokens or mel frames before the end")
+            stream.flush()  # half-close without end_of_stream also ends the stream
+            for job in stream.ready():
+                outbox.put_nowait((job, batcher.submit(job), index))
+            outbox.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except InvalidArgument as exc:
+            outbox.put_nowait(exc)
+        except Exception as exc:  # noqa: BLE001 - surfaced by the writer as INTERNAL
+            outbox.put_nowait(exc)
+
+    def _push(self, stream: VocoderStream, req: pb.VocodeRequest, kind: str | None) -> int:
+        limit = self.limits.max_chunk_frames
+        if kind == "tokens":
+            ids = np.asarray(req.tokens.ids, dtype=np.int64)
+            if stream.token_decoder is None:
+                raise InvalidArgument("tokens: this stream was configured for INPUT_KIND_MEL")
+            if ids.size > limit:
+                raise InvalidArgument(f"tokens.ids: {ids.size} ids in one message exceed the "
+                                      f"limit of {limit}")
+            size = stream.token_decoder.config.codebook_size
+            bad = ids[ids >= size]
+            if bad.size:
+                raise InvalidArgument(f"tokens.ids: id {int(bad[0])} is outside the codebook "
+                                      f"[0, {size})")
+            stream.push_tokens(ids)
+            return int(ids.size) * stream.token_decoder.config.frames_per_token
+        if kind == "mel":
+            if stream.token_decoder is not None:
+                raise InvalidArgument("mel: this stream was configured for INPUT_KIND_SPEECH_TOKENS")
+            n_mels = stream.config.num_mels
+            if req.mel.num_mels != n_mels:
+                raise InvalidArgument(f"mel.num_mels must be {n_mels} (got {req.mel.num_mels})")
+            values = np.asarray(req.mel.values, dtype=np.float32)
+            if values.size % n_mels:
+                raise InvalidArgument(f"mel.values: {values.size} values is not a whole number "
+                                      f"of {n_mels}-wide frames")
+            frames = values.size // n_mels
+            if frames > limit:
+                raise InvalidArgument(f"mel.values: {frames} frames in one message exceed the "
+                                      f"limit of {limit}")
+            if not np.isfinite(values).all():
+                raise InvalidArgument("mel.values: must be finite (found NaN or infinity)")
+            stream.push_mel(values.reshape(frames, n_mels).T)
+            return frames
+        raise InvalidArgument("each message after the config must carry tokens, mel or "
+                              "end_of_stream")
