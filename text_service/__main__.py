@@ -1,0 +1,98 @@
+"""`text-service`: serve splittts.text.v1 (a Qwen3.5 / Qwen3 speech LM) over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+from pathlib import Path
+
+import servicekit  # noqa: F401  (torch backend auto-loading off before torch loads)
+from servicekit.logs import configure_logging
+from servicekit.server import Service, serve
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "voices" / "default" / "lm"
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit else 1
+    return int(value * base ** " KMGT".index(unit or " "))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="text-service", description=__doc__)
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
+                   help="HF-format model directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--device", default="auto", help="auto (npu, then cuda, then cpu), npu, cuda, cpu")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: config's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=9091,
+                   help="Prometheus /metrics port (0 picks a free one, -1 disables)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
+                   help="memory for KV blocks and linear-attention state slots (e.g. 512MiB)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the memory budget")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="requests in flight before RESOURCE_EXHAUSTED")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+async def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from splittts.text.v1 import text_pb2, text_pb2_grpc
+    from text_service.async_engine import AsyncEngine
+    from text_service.engine import EngineArgs, LLMEngine
+    from text_service.sampling_params import SamplingParams
+    from text_service.server import TextGenerationServicer
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if not (Path(args.model) / "config.json").is_file():
+        raise FileNotFoundError(f"--model {args.model}: no config.json there")
+    engine = LLMEngine(EngineArgs(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.prefix_caching))
+    async_engine = AsyncEngine(engine, max_pending=args.max_pending)
+    servicer = TextGenerationServicer(async_engine, Path(args.model).resolve().name)
+
+    def warmup() -> None:  # one short request through every path before SERVING
+        engine.generate([[0] * 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        async_engine.start()
+
+    name = text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+    await serve([Service(name, text_pb2_grpc.add_TextGenerationServicer_to_server, servicer)],
+                host=args.host, port=args.port,
+                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                warmup=warmup, grace_s=args.grace, on_stop=async_engine.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(run(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"text-service: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

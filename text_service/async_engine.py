@@ -1,0 +1,151 @@
+"""Runs the LLMEngine on its own thread; each request reads its tokens from an asyncio queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from text_service.engine import LLMEngine
+from text_service.errors import CapacityError
+from text_service.sampling_params import SamplingParams
+from text_service.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenEvent:
+    """Tokens sampled for one request in one engine step (stamped on the engine thread)."""
+
+    token_ids: list[int]
+    finished: bool
+    seq: Sequence
+    time: float
+
+
+@dataclass
+class RequestStream:
+    """What a caller holds for one request: its id, arrival time and output queue."""
+
+    request_id: str
+    arrival_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def next_events(self) -> list[TokenEvent]:
+        """Wait for at least one event, then take every event already queued."""
+        item = await self.queue.get()
+        items = [item]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return items
+
+
+class AsyncEngine:
+    """Owns the engine thread. `add` and `abort` may be called from the event loop at any time."""
+
+    def __init__(self, engine: LLMEngine, max_pending: int = 256):
+        self.engine = engine
+        self.max_pending = max_pending
+        self._streams: dict[str, RequestStream] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.stats: dict = engine.stats()
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Admit a request (already validated); raises CapacityError past `max_pending`."""
+        if len(self._streams) >= self.max_pending:
+            raise CapacityError(f"{len(self._streams)} requests in flight (max_pending="
+                                f"{self.max_pending}); retry later")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        stream = RequestStream(request_id, time.perf_counter())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_token_ids, params, stream.arrival_time))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op once finished); its blocks and state slot are freed."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self._streams.pop(request_id, None)
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, arrival = cmd
+                if rid not in self._streams:
+                    continue  # cancelled before it reached the engine
+                try:
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    self._deliver(rid, exc)
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self.stats = self.engine.stats()
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    if out.new_token_ids or out.finished:
+                        rid = out.seq.seq_id
+                        if out.finished and rid in self._streams:
+                            self._streams[rid].finished = True
+                        self._deliver(rid, TokenEvent(list(out.new_token_ids), out.finished,
+                                                      out.seq, now))
+                self.stats = self.engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
+            log.exception("engine loop crashed")
+            self.error = exc
+            for rid in list(self._streams):
+                self._deliver(rid, RuntimeError(f"engine failed: {exc}"))

@@ -1,0 +1,41 @@
+"""Prometheus metrics of the text service, named in vLLM's style."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+
+TTFT = Histogram("splittts_text_time_to_first_token_seconds",
+                 "Request received -> first token sent.", buckets=_LATENCY)
+ITL = Histogram("splittts_text_inter_token_latency_seconds",
+                "Gap between consecutive tokens of a request.", buckets=_ITL)
+E2E = Histogram("splittts_text_e2e_request_latency_seconds",
+                "Request received -> last message sent.", buckets=_LATENCY + (30.0, 60.0))
+QUEUE = Histogram("splittts_text_request_queue_time_seconds",
+                  "Request received -> first scheduled.", buckets=_LATENCY)
+PREFILL = Histogram("splittts_text_request_prefill_time_seconds",
+                    "First scheduled -> prompt fully processed.", buckets=_LATENCY)
+DECODE = Histogram("splittts_text_request_decode_time_seconds",
+                   "First token -> last token.", buckets=_LATENCY + (30.0, 60.0))
+RUNNING = Gauge("splittts_text_num_requests_running", "Sequences in the running batch.")
+WAITING = Gauge("splittts_text_num_requests_waiting", "Sequences waiting to be scheduled.")
+KV_USAGE = Gauge("splittts_text_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+PREFIX_QUERIES = Gauge("splittts_text_prefix_cache_queries",
+                       "Prompt tokens looked up in the prefix cache (cumulative).")
+PREFIX_HITS = Gauge("splittts_text_prefix_cache_hits",
+                    "Prompt tokens served from the prefix cache (cumulative).")
+PREEMPTIONS = Gauge("splittts_text_num_preemptions", "Preemptions so far (cumulative).")
+PROMPT_TOKENS = Counter("splittts_text_prompt_tokens", "Prompt tokens received.")
+GENERATION_TOKENS = Counter("splittts_text_generation_tokens", "Tokens generated.")
+REQUESTS = Counter("splittts_text_request_success", "Finished requests by finish reason.",
+                   ["finished_reason"])
+
+
+def publish_engine_stats(stats: dict) -> None:
+    """Copy the engine thread's latest stats into the gauges."""
+    RUNNING.set(stats.get("num_running", 0))
+    WAITING.set(stats.get("num_waiting", 0))
+    KV_USAGE.set(stats.get("kv_cache_usage", 0.0))
+    PREFIX_QUERIES.set(stats.get("prefix_cache_queries", 0))
+    PREFIX_HITS.set(stats.get("prefix_cache_hits", 0))
+    PREEMPTIONS.set(stats.get("num_preemptions", 0))

@@ -1,0 +1,166 @@
+"""gRPC servicer of splittts.text.v1: request message -> validated params -> engine -> stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from servicekit.errors import InvalidArgument, ResourceExhausted
+from servicekit.logs import log_event
+from splittts.text.v1 import text_pb2 as pb
+from splittts.text.v1 import text_pb2_grpc
+from text_service import metrics
+from text_service.async_engine import AsyncEngine
+from text_service.errors import CapacityError, InvalidRequestError
+from text_service.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+           "abort": pb.FINISH_REASON_ABORT}
+# SamplingParams field -> request field, so errors name what the caller sent.
+_FIELD_NAMES = {"temperature": "sampling.temperature", "top_k": "sampling.top_k",
+                "top_p": "sampling.top_p", "repetition_penalty": "sampling.repetition_penalty",
+                "repetition_window": "sampling.repetition_window", "seed": "sampling.seed",
+                "allowed_token_range": "allowed_tokens"}
+
+
+def _ms(a: float | None, b: float | None) -> float:
+    return 1e3 * (b - a) if a is not None and b is not None else 0.0
+
+
+class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
+    """Generate streams token chunks as they are sampled; cancelling the call aborts it."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        core = engine.engine
+        self.vocab_size = core.config.vocab_size
+        self.max_model_len = core.config.max_model_len
+
+    def _prompt(self, request: pb.GenerateRequest) -> tuple[str, list[int]]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            if not request.text.strip():
+                raise InvalidArgument("text: must not be empty")
+            tokenizer = self.engine.engine.tokenizer
+            if tokenizer is None:
+                raise InvalidArgument("text: this model has no tokenizer.json; send token_ids")
+            return "text", tokenizer.encode(request.text, add_special_tokens=False).ids
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
+                raise InvalidArgument("token_ids.ids: must not be empty")
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"token_ids.ids: id {bad} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+            return "token_ids", ids
+        raise InvalidArgument("prompt: set either text or token_ids")
+
+    def _params(self, request: pb.GenerateRequest, field: str, prompt_len: int) -> SamplingParams:
+        s = request.sampling
+        if prompt_len > self.max_model_len:
+            raise InvalidArgument(f"{field}: prompt of {prompt_len} tokens is longer than the "
+                                  f"model's limit max_model_len={self.max_model_len}")
+        allowed = None
+        if request.HasField("allowed_tokens"):
+            allowed = (request.allowed_tokens.start, request.allowed_tokens.end)
+        params = SamplingParams(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+            repetition_penalty=s.repetition_penalty or 1.0, repetition_window=s.repetition_window,
+            seed=s.seed if s.HasField("seed") else None, max_tokens=request.max_tokens,
+            stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+            allowed_token_range=allowed)
+        try:
+            params.validate(self.vocab_size, self.max_model_len, prompt_len)
+        except InvalidRequestError as exc:
+            name = {"prompt_token_ids": field}.get(exc.field, _FIELD_NAMES.get(exc.field, exc.field))
+            raise InvalidArgument(f"{name}: {exc.rule}") from None
+        return params
+
+    async def Generate(self, request, context):
+        """Stream the sampled token ids; the last message has finish reason, usage, timings."""
+        field, prompt = self._prompt(request)
+        params = self._params(request, field, len(prompt))
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            stream = self.engine.add(request_id, prompt, params)
+        except CapacityError as exc:
+            raise ResourceExhausted(str(exc)) from None
+        except ValueError as exc:
+            raise InvalidArgument(f"request_id: {exc}") from None
+        metrics.PROMPT_TOKENS.inc(len(prompt))
+        chunk = max(1, request.stream_chunk_tokens)
+        sent, pending, token_times = 0, [], []
+        first_sent = last_event = None
+        seq = None
+        try:
+            while True:
+                events = await stream.next_events()
+                for ev in events:
+                    pending.extend(ev.token_ids)
+                    token_times.extend([ev.time] * len(ev.token_ids))
+                    seq, last_event = ev.seq, ev
+                done = last_event is not None and last_event.finished
+                if pending and (len(pending) >= chunk or done):
+                    yield pb.GenerateResponse(token_ids=pending, first_token_index=sent)
+                    if first_sent is None:
+                        first_sent = time.perf_counter()
+                    sent += len(pending)
+                    pending = []
+                if done:
+                    break
+        finally:
+            if last_event is None or not last_event.finished:
+                self.engine.abort(request_id)  # cancelled or failed: free its cache now
+                metrics.REQUESTS.labels("abort").inc()
+            else:
+                self.engine.release(request_id)
+        end = time.perf_counter()
+        usage = pb.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+                         cached_prompt_tokens=seq.num_cached_tokens,
+                         preemptions=seq.num_preemptions)
+        decode_ms = _ms(token_times[0], token_times[-1]) if token_times else 0.0
+        timings = pb.GenerateTimings(
+            queue_ms=_ms(stream.arrival_time, seq.first_scheduled_time),
+            prefill_ms=_ms(seq.first_scheduled_time, getattr(seq, "prefill_done_time", None)),
+            ttft_ms=_ms(stream.arrival_time, first_sent), decode_ms=decode_ms,
+            mean_itl_ms=decode_ms / (len(token_times) - 1) if len(token_times) > 1 else 0.0,
+            total_ms=_ms(stream.arrival_time, end))
+        self._observe(seq, timings, token_times)
+        log_event(log, "request finished", request_id=request_id, prompt_tokens=len(prompt),
+                  completion_tokens=sent, finish=seq.finish_reason, ttft_ms=round(timings.ttft_ms, 2),
+                  total_ms=round(timings.total_ms, 2))
+        yield pb.GenerateResponse(first_token_index=sent, finish_reason=_FINISH.get(
+            seq.finish_reason, pb.FINISH_REASON_UNSPECIFIED), usage=usage, timings=timings)
+
+    def _observe(self, seq, timings: pb.GenerateTimings, token_times: list[float]) -> None:
+        metrics.TTFT.observe(timings.ttft_ms / 1e3)
+        metrics.QUEUE.observe(timings.queue_ms / 1e3)
+        metrics.PREFILL.observe(timings.prefill_ms / 1e3)
+        metrics.DECODE.observe(timings.decode_ms / 1e3)
+        metrics.E2E.observe(timings.total_ms / 1e3)
+        for a, b in zip(token_times, token_times[1:]):
+            metrics.ITL.observe(b - a)
+        metrics.GENERATION_TOKENS.inc(len(token_times))
+        metrics.REQUESTS.labels(seq.finish_reason or "unknown").inc()
+        metrics.publish_engine_stats(self.engine.stats)
+
+    async def GetModelInfo(self, request, context):
+        """The loaded model and the engine's limits and load."""
+        core, stats = self.engine.engine, self.engine.stats
+        metrics.publish_engine_stats(stats)
+        return pb.ModelInfo(
+            model=self.model_name, model_type=core.model_config.model_type,
+            vocab_size=core.config.vocab_size, max_model_len=core.config.max_model_len,
+            eos_token_ids=list(core.config.eos_token_ids), device=str(core.device),
+            dtype=str(core.dtype).removeprefix("torch."), block_size=core.config.block_size,
+            num_kv_blocks=core.config.num_kv_blocks,
+            num_used_blocks=int(stats.get("num_used_blocks", 0)),
+            num_running=int(stats.get("num_running", 0)),
+            num_waiting=int(stats.get("num_waiting", 0)),
+            num_used_state_slots=int(stats.get("num_used_state_slots", 0)),
+            max_pending_requests=self.engine.max_pending)
