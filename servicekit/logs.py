@@ -32,3 +32,13 @@ def configure_logging(level: str = "warning") -> None:
 def log_event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields) -> None:
     """Log `msg` with extra structured fields."""
     logger.log(level, msg, extra={"fields": fields})
+
+
+def trace_id(context) -> str | None:
+    """The W3C trace id of an incoming gRPC call's `traceparent` metadata, if any."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            parts = value.strip().split("-")
+            if len(parts) == 4 and len(parts[1]) == 32:
+                return parts[1]
+    return None

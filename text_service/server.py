@@ -7,7 +7,7 @@ import time
 import uuid
 
 from servicekit.errors import InvalidArgument, ResourceExhausted
-from servicekit.logs import log_event
+from servicekit.logs import log_event, trace_id
 from splittts.text.v1 import text_pb2 as pb
 from splittts.text.v1 import text_pb2_grpc
 from text_service import metrics
@@ -133,7 +133,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         self._observe(seq, timings, token_times)
         log_event(log, "request finished", request_id=request_id, prompt_tokens=len(prompt),
                   completion_tokens=sent, finish=seq.finish_reason, ttft_ms=round(timings.ttft_ms, 2),
-                  total_ms=round(timings.total_ms, 2))
+                  total_ms=round(timings.total_ms, 2), trace_id=trace_id(context))
         yield pb.GenerateResponse(first_token_index=sent, finish_reason=_FINISH.get(
             seq.finish_reason, pb.FINISH_REASON_UNSPECIFIED), usage=usage, timings=timings)
 

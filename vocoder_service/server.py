@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted
-from servicekit.logs import log_event
+from servicekit.logs import log_event, trace_id
 from splittts.vocoder.v1 import vocoder_pb2 as pb
 from splittts.vocoder.v1 import vocoder_pb2_grpc
 from vocoder_service import metrics
@@ -147,7 +147,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             metrics.ACTIVE_STREAMS.dec()
             metrics.STREAMS.labels(outcome).inc()
             log_event(log, "stream closed", stream=stream.stream_id, outcome=outcome,
-                      samples=summary.num_samples, chunks=summary.num_chunks)
+                      samples=summary.num_samples, chunks=summary.num_chunks,
+                      trace_id=trace_id(context))
 
     def _open(self, first: pb.VocodeRequest) -> tuple[VocoderVoice, VocoderStream]:
         if first.WhichOneof("payload") != "config":

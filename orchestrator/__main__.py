@@ -1,0 +1,80 @@
+"""`orchestrator`: serve the public splittts.tts.v1 API over gRPC (and the web demo over HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import servicekit  # noqa: F401
+from servicekit.logs import configure_logging
+from servicekit.server import Service, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orchestrator", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50050, help="gRPC port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=9090,
+                   help="Prometheus /metrics port (0 picks a free one, -1 disables)")
+    p.add_argument("--text-service", action="append", default=[], metavar="ADDR",
+                   help="text-service replica host:port (repeatable)")
+    p.add_argument("--vocoder-service", action="append", default=[], metavar="ADDR",
+                   help="vocoder-service replica host:port (repeatable)")
+    p.add_argument("--voice", action="append", default=[], metavar="DIR",
+                   help="voice directory (repeatable; default: every voice under voices/)")
+    p.add_argument("--max-in-flight", type=int, default=64)
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between replica health checks")
+    p.add_argument("--grace", type=float, default=10.0)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+async def run(args: argparse.Namespace) -> None:
+    from orchestrator.frontend import FrontEnd
+    from orchestrator.pipeline import Pipeline
+    from orchestrator.replicas import ReplicaPool
+    from orchestrator.server import TextToSpeechServicer
+    from orchestrator.voices import discover
+    from splittts.tts.v1 import tts_pb2, tts_pb2_grpc
+
+    voices = discover(args.voice)
+    if not voices:
+        raise ValueError("no voices: pass --voice DIR or add one under voices/")
+    if not args.text_service or not args.vocoder_service:
+        raise ValueError("give at least one --text-service and one --vocoder-service address")
+    text_pool = ReplicaPool(args.text_service, "splittts.text.v1.TextGeneration", args.health_interval)
+    vocoder_pool = ReplicaPool(args.vocoder_service, "splittts.vocoder.v1.Vocoder", args.health_interval)
+    frontends = {v.name: FrontEnd(v.text_frontend) for v in voices}
+    pipeline = Pipeline(text_pool, vocoder_pool, frontends)
+    servicer = TextToSpeechServicer(pipeline, voices, max_in_flight=args.max_in_flight)
+
+    async def warmup() -> None:
+        await text_pool.start()
+        await vocoder_pool.start()
+
+    async def stop() -> None:
+        await text_pool.close()
+        await vocoder_pool.close()
+
+    name = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"].full_name
+    await serve([Service(name, tts_pb2_grpc.add_TextToSpeechServicer_to_server, servicer)],
+                host=args.host, port=args.port,
+                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                warmup=warmup, grace_s=args.grace, on_stop=stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(run(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Concurrency sweep against a running orchestrator (tts-cli bench and bench/e2e.py)."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import grpc
+
+from splittts.tts.v1 import tts_pb2 as pb
+from splittts.tts.v1 import tts_pb2_grpc
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Streaming speech starts playing before the sentence is finished.",
+    "Please call me back at five thirty this afternoon.",
+    "A small model can still speak clearly if it is trained well.",
+    "Every millisecond of latency is accounted for in the report.",
+    "The weather today is cool and bright with a light breeze.",
+    "Turn left at the second light, then keep going for two miles.",
+    "Good morning, and welcome to the demonstration.",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def one_request(stub, text: str, voice: str, seed: int) -> pb.LatencyReport:
+    req = pb.SynthesizeRequest(text=text, voice=voice)
+    req.sampling.seed = seed
+    report = None
+    for resp in stub.Synthesize(req, timeout=600):
+        if resp.HasField("report"):
+            report = resp.report
+    return report
+
+
+def run_level(address: str, concurrency: int, requests: int, voice: str = "",
+              sentences: list[str] | None = None) -> dict:
+    """`requests` syntheses, `concurrency` at a time; figures from the LatencyReports."""
+    sentences = sentences or SENTENCES
+    reports: list[pb.LatencyReport] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+
+    def worker() -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = tts_pb2_grpc.TextToSpeechStub(channel)
+            while True:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                try:
+                    r = one_request(stub, sentences[i % len(sentences)], voice, i)
+                    with lock:
+                        reports.append(r)
+                except grpc.RpcError as exc:
+                    with lock:
+                        errors.append(f"{exc.code().name}: {exc.details()}")
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    ttfa = [r.ttfa_ms for r in reports]
+    audio = sum(r.audio_s for r in reports)
+    hops = {h.service: [] for r in reports for h in r.hops}
+    for r in reports:
+        for h in r.hops:
+            hops[h.service].append(h.mean_overhead_ms)
+    return {
+        "concurrency": concurrency, "requests": len(reports), "errors": errors,
+        "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p95_ms": percentile(ttfa, 95),
+        "ttfa_p99_ms": percentile(ttfa, 99),
+        "ttft_p50_ms": percentile([r.ttft_ms for r in reports], 50),
+        "rtf_mean": statistics.fmean([r.rtf for r in reports]) if reports else 0.0,
+        "underruns": sum(r.underruns for r in reports),
+        "audio_s_per_wall_s": audio / wall if wall else 0.0,
+        "hop_overhead_ms": {k: statistics.fmean(v) for k, v in hops.items() if v},
+        "wall_s": wall,
+    }
+
+
+def run_sweep(address: str, levels: list[int], requests_per_level: int = 8, voice: str = "") -> dict:
+    """One warm-up request, then each concurrency level."""
+    with grpc.insecure_channel(address) as channel:
+        one_request(tts_pb2_grpc.TextToSpeechStub(channel), SENTENCES[0], voice, 0)
+    return {"levels": [run_level(address, c, max(requests_per_level, c), voice) for c in levels]}
+
+
+def sweep_table(result: dict) -> str:
+    head = (f"{'conc':>4} {'reqs':>4} {'TTFA p50':>9} {'p95':>8} {'p99':>8} {'RTF':>6} "
+            f"{'underruns':>9} {'audio s/s':>9} {'errors':>6}")
+    lines = [head, "-" * len(head)]
+    for lv in result["levels"]:
+        lines.append(f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['ttfa_p50_ms']:>7.0f}ms "
+                     f"{lv['ttfa_p95_ms']:>6.0f}ms {lv['ttfa_p99_ms']:>6.0f}ms {lv['rtf_mean']:>6.3f} "
+                     f"{lv['underruns']:>9} {lv['audio_s_per_wall_s']:>9.2f} {len(lv['errors']):>6}")
+    return "\n".join(lines)

@@ -1,0 +1,279 @@
+"""tts-cli: synthesize, serve, voices and bench against split-tts.
+
+Without --server, `synthesize`, `voices` and `bench` start an embedded deployment (the three
+services as local processes on free ports) and tear it down afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import servicekit  # noqa: F401
+
+from orchestrator.voices import VOICES_DIR
+
+ENCODINGS = {"pcm": "LINEAR16", "linear16": "LINEAR16", "raw": "LINEAR16", "wav": "WAV",
+             "flac": "FLAC", "ogg": "OGG_OPUS", "opus": "OGG_OPUS", "ogg_opus": "OGG_OPUS"}
+EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
+
+
+class BadInput(Exception):
+    """A user mistake: one line on stderr, exit code 2."""
+
+
+def default_voice_dir() -> Path:
+    default = VOICES_DIR / "default"
+    if (default / "voice.json").is_file():
+        return default
+    raise BadInput(f"no default voice in {default}; pass --voice-dir DIR or --server ADDR")
+
+
+@contextmanager
+def deployment(args):
+    """The address to talk to: --server, or an embedded deployment started for this command."""
+    if args.server:
+        yield args.server
+        return
+    from orchestrator.launcher import LocalDeployment
+
+    voice_dir = Path(args.voice_dir) if args.voice_dir else default_voice_dir()
+    if not args.quiet:
+        print("starting the embedded pipeline (text-service, vocoder-service, orchestrator) ...",
+              file=sys.stderr, flush=True)
+    with LocalDeployment(voice_dir) as local:
+        yield local.address
+
+
+def format_for(args) -> str:
+    if args.format:
+        key = args.format.lower()
+    elif args.output not in (None, "-") and Path(args.output).suffix:
+        key = Path(args.output).suffix.lstrip(".").lower()
+    else:
+        key = "wav"
+    if key not in ENCODINGS:
+        raise BadInput(f"--format: unsupported {key!r}; choose wav, flac, ogg or pcm")
+    return ENCODINGS[key]
+
+
+def build_request(args, text: str):
+    from splittts.tts.v1 import tts_pb2 as pb
+
+    req = pb.SynthesizeRequest(text=text, voice=args.voice or "", language_code=args.language or "")
+    req.audio_config.encoding = pb.AudioEncoding.Value(format_for(args))
+    req.audio_config.sample_rate_hz = args.sample_rate or 0
+    req.audio_config.speaking_rate = args.speaking_rate or 0.0
+    if args.seed is not None:
+        req.sampling.seed = args.seed
+    return req
+
+
+def latency_table(report) -> str:
+    rows = [("TTFA (first audio)", f"{report.ttfa_ms:8.1f} ms"),
+            ("TTFT (first token)", f"{report.ttft_ms:8.1f} ms"),
+            ("front end", f"{report.frontend_ms:8.1f} ms"),
+            ("text queue", f"{report.queue_ms:8.1f} ms"),
+            ("text prefill", f"{report.prefill_ms:8.1f} ms"),
+            ("text decode", f"{report.decode_ms:8.1f} ms"),
+            ("vocoder compute", f"{report.vocoder_compute_ms:8.1f} ms")]
+    rows += [(f"hop {h.service} (transit)", f"{h.mean_overhead_ms:8.2f} ms mean, "
+              f"{h.max_overhead_ms:.2f} max") for h in report.hops]
+    rows += [("total", f"{report.total_ms:8.1f} ms"),
+             ("audio", f"{report.audio_s:8.2f} s in {report.num_chunks} chunks"),
+             ("RTF", f"{report.rtf:8.3f}"), ("underruns", f"{report.underruns:8d}"),
+             ("speech tokens", f"{report.num_speech_tokens:8d} in {report.num_segments} segments")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_synthesize(args) -> int:
+    import grpc
+
+    from splittts.tts.v1 import tts_pb2_grpc
+
+    text = sys.stdin.read() if args.text == "-" else args.text
+    if not text.strip():
+        raise BadInput("TEXT is empty")
+    request = build_request(args, text)
+    if args.output is None:
+        raise BadInput("-o/--output is required (a file, or - for stdout)")
+    sink = sys.stdout.buffer if args.output == "-" else None
+    with deployment(args) as address, grpc.insecure_channel(address) as channel:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel)
+        chunks, report, audio_s = [], None, 0.0
+        for resp in stub.Synthesize(request, timeout=args.timeout):
+            if resp.HasField("audio"):
+                chunks.append(resp.audio.audio)
+                audio_s += resp.audio.duration_s
+                if sink is not None:
+                    sink.write(resp.audio.audio)
+                    sink.flush()
+                if not args.quiet:
+                    print(f"\r  streaming: {len(chunks):4d} chunks, {audio_s:6.2f} s of audio",
+                          end="", file=sys.stderr, flush=True)
+            else:
+                report = resp.report
+    if sink is None:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"".join(chunks))
+    if not args.quiet:
+        print(file=sys.stderr)
+        if sink is None:
+            print(f"wrote {args.output} ({audio_s:.2f} s)", file=sys.stderr)
+        if report is not None:
+            print(latency_table(report), file=sys.stderr)
+    return 0
+
+
+def cmd_voices(args) -> int:
+    import grpc
+
+    from splittts.tts.v1 import tts_pb2 as pb
+    from splittts.tts.v1 import tts_pb2_grpc
+
+    if not args.server:  # no need to start services to read manifests
+        from orchestrator.voices import discover
+        voices = [(v.name, v.languages, v.sample_rate, v.description, i == 0)
+                  for i, v in enumerate(discover([args.voice_dir] if args.voice_dir else None))]
+    else:
+        with grpc.insecure_channel(args.server) as channel:
+            reply = tts_pb2_grpc.TextToSpeechStub(channel).ListVoices(
+                pb.ListVoicesRequest(language_code=args.language or ""), timeout=args.timeout)
+        voices = [(v.name, v.language_codes, v.sample_rate_hz, v.description, v.is_default)
+                  for v in reply.voices]
+    if args.json:
+        print(json.dumps([{"name": n, "languages": list(l), "sample_rate_hz": r, "description": d,
+                           "default": dflt} for n, l, r, d, dflt in voices]))
+    else:
+        for name, langs, rate, desc, dflt in voices:
+            print(f"{name}{' (default)' if dflt else ''}\t{', '.join(langs)}\t{rate} Hz\t{desc}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from orchestrator.launcher import LocalDeployment
+
+    voice_dir = Path(args.voice_dir) if args.voice_dir else default_voice_dir()
+    local = LocalDeployment(voice_dir, ports=(args.port, args.text_port, args.vocoder_port),
+                            metrics_ports=(args.metrics_port, args.metrics_port + 1 if args.metrics_port > 0 else -1,
+                                           args.metrics_port + 2 if args.metrics_port > 0 else -1),
+                            host=args.host, quiet=False)
+    local.start()
+    print(f"serving splittts.tts.v1 on {args.host}:{local.processes[-1].port} "
+          f"(text-service :{local.processes[0].port}, vocoder-service :{local.processes[1].port}); "
+          "Ctrl-C drains and stops", file=sys.stderr, flush=True)
+    stop = []
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop and all(p.proc.poll() is None for p in local.processes):
+            time.sleep(0.2)
+    finally:
+        print("draining ...", file=sys.stderr, flush=True)
+        local.stop()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from orchestrator.bench import run_sweep, sweep_table
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if any(c < 1 for c in levels):
+        raise BadInput("--concurrency: levels must be positive integers, e.g. 1,2,4,8")
+    with deployment(args) as address:
+        result = run_sweep(address, levels, requests_per_level=args.requests, voice=args.voice or "")
+    print(json.dumps(result) if args.json else sweep_table(result))
+    return 0
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors are one line and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="tts-cli", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, server=True):
+        if server:
+            sp.add_argument("--server", help="orchestrator address host:port (default: embedded)")
+        sp.add_argument("--voice-dir", help="voice directory for the embedded pipeline")
+        sp.add_argument("--timeout", type=float, default=600.0, help="seconds")
+        sp.add_argument("-q", "--quiet", action="store_true")
+
+    s = sub.add_parser("synthesize", help="speak TEXT (or - for stdin) into a file or stdout")
+    s.add_argument("text", metavar="TEXT")
+    s.add_argument("-o", "--output", metavar="FILE", help="output file, or - for stdout")
+    s.add_argument("--voice")
+    s.add_argument("--language", help="BCP-47 code, e.g. en-US or cmn-CN (default: detected)")
+    s.add_argument("--format", help="wav (default), flac, ogg (Opus) or pcm (raw LINEAR16)")
+    s.add_argument("--sample-rate", type=int, help="output rate in Hz (default: the voice's)")
+    s.add_argument("--speaking-rate", type=float, help="0.5 to 2.0, pitch kept")
+    s.add_argument("--seed", type=int)
+    common(s)
+    s.set_defaults(func=cmd_synthesize)
+
+    v = sub.add_parser("voices", help="list voices")
+    v.add_argument("--language")
+    v.add_argument("--json", action="store_true")
+    common(v)
+    v.set_defaults(func=cmd_voices)
+
+    sv = sub.add_parser("serve", help="run all three services in the foreground")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=50050)
+    sv.add_argument("--text-port", type=int, default=50051)
+    sv.add_argument("--vocoder-port", type=int, default=50052)
+    sv.add_argument("--metrics-port", type=int, default=9090,
+                    help="orchestrator metrics; the text and vocoder services use the next two")
+    sv.add_argument("--voice-dir")
+    sv.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="concurrency sweep: TTFA percentiles, RTF, underruns")
+    b.add_argument("--concurrency", default="1,2,4,8")
+    b.add_argument("--requests", type=int, default=8, help="requests per concurrency level")
+    b.add_argument("--voice")
+    b.add_argument("--json", action="store_true")
+    common(b)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import grpc
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed its usage line
+        return EXIT_BAD_INPUT if exc.code else 0
+    try:
+        return args.func(args)
+    except BadInput as exc:
+        print(f"tts-cli: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except grpc.RpcError as exc:
+        bad = exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        print(f"tts-cli: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_BAD_INPUT if bad else EXIT_FAILURE
+    except (RuntimeError, OSError) as exc:
+        print(f"tts-cli: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Start the three services as local processes on free ports (tts-cli's embedded pipeline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Process:
+    """A started service and the ports it reported."""
+
+    name: str
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int | None
+    stderr_tail: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def start_service(name: str, module: str, args: list[str], *, port: int = 0, metrics_port: int = -1,
+                  host: str = "127.0.0.1", env: dict | None = None, timeout_s: float = 300.0,
+                  quiet: bool = True, cpus: set[int] | None = None) -> Process:
+    """Run `python -m module` and wait for its `serving` line; `cpus` pins it to those cores."""
+    cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port),
+           "--metrics-port", str(metrics_port), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})},
+                            start_new_session=True,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    tail: list[str] = []
+
+    def drain_stderr() -> None:
+        for line in proc.stderr:
+            tail.append(line)
+            del tail[:-50]
+            if not quiet:
+                sys.stderr.write(f"[{name}] {line}")
+
+    threading.Thread(target=drain_stderr, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stdout:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "serving":
+            threading.Thread(target=lambda: [*proc.stdout], daemon=True).start()
+            return Process(name, proc, event["port"], event.get("metrics_port"), tail)
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    proc.wait()
+    time.sleep(0.1)
+    raise RuntimeError(f"{name} failed to start:\n" + "".join(tail[-20:]))
+
+
+class LocalDeployment:
+    """text-service + vocoder-service + orchestrator on 127.0.0.1; `stop()` drains all three."""
+
+    def __init__(self, voice_dir: str | Path, *, threads: dict[str, int] | None = None,
+                 ports: tuple[int, int, int] = (0, 0, 0), metrics_ports: tuple[int, int, int] = (-1, -1, -1),
+                 host: str = "127.0.0.1", quiet: bool = True, text_args: list[str] | None = None,
+                 vocoder_args: list[str] | None = None, cpus: dict[str, set[int]] | None = None):
+        self.voice_dir = Path(voice_dir)
+        self.threads = threads or {}
+        self.ports, self.metrics_ports, self.host, self.quiet = ports, metrics_ports, host, quiet
+        self.text_args, self.vocoder_args = text_args or [], vocoder_args or []
+        self.cpus = cpus or {}
+        self.processes: list[Process] = []
+
+    def _threads(self, name: str) -> list[str]:
+        n = self.threads.get(name, 0)
+        return ["--threads", str(n)] if n else []
+
+    def start(self) -> "LocalDeployment":
+        try:
+            text = start_service("text-service", "text_service",
+                                 ["--model", str(self.voice_dir / "lm"), *self._threads("text"),
+                                  *self.text_args], port=self.ports[1],
+                                 metrics_port=self.metrics_ports[1], host=self.host,
+                                 quiet=self.quiet, cpus=self.cpus.get("text"))
+            self.processes.append(text)
+            vocoder = start_service("vocoder-service", "vocoder_service",
+                                    ["--voice", str(self.voice_dir), *self._threads("vocoder"),
+                                     *self.vocoder_args], port=self.ports[2],
+                                    metrics_port=self.metrics_ports[2], host=self.host,
+                                    quiet=self.quiet, cpus=self.cpus.get("vocoder"))
+            self.processes.append(vocoder)
+            orch = start_service("orchestrator", "orchestrator",
+                                 ["--voice", str(self.voice_dir), "--text-service", text.address,
+                                  "--vocoder-service", vocoder.address], port=self.ports[0],
+                                 metrics_port=self.metrics_ports[0], host=self.host,
+                                 quiet=self.quiet, cpus=self.cpus.get("orchestrator"))
+            self.processes.append(orch)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.processes[-1].address
+
+    def by_name(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        for p in reversed(self.processes):
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in reversed(self.processes):
+            try:
+                p.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalDeployment":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,294 @@
+"""One synthesis: text segments -> Generate streams -> speech tokens -> one Vocode stream -> audio.
+
+Tokens are forwarded to the vocoder as they arrive, never waiting for a whole sentence. The next
+segment is generated while the current one is still being forwarded and vocoded, and all
+segments share one Vocode stream, so the caller hears one continuous stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+
+from orchestrator.audio import AudioOutput
+from orchestrator.latency import LatencyTracker
+from orchestrator.replicas import Replica, ReplicaPool
+from orchestrator.voices import VoiceSpec
+from servicekit.errors import InvalidArgument, StatusError
+from splittts.text.v1 import text_pb2, text_pb2_grpc
+from splittts.tts.v1 import tts_pb2
+from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_END = object()
+_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """A validated request, whatever RPC it came from."""
+
+    request_id: str
+    voice: VoiceSpec
+    language: str
+    encoding: str
+    sample_rate_hz: int
+    speaking_rate: float
+    sampling: dict
+    trace_id: str
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+def child_traceparent(trace_id: str) -> tuple[tuple[str, str], ...]:
+    """W3C traceparent for a downstream call: same trace, a fresh span."""
+    return (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
+
+
+def downstream_error(service: str, replica: Replica, exc: grpc.aio.AioRpcError) -> StatusError:
+    code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
+    return StatusError(f"{service} service at {replica.address}: {exc.code().name}: "
+                       f"{exc.details()}", code)
+
+
+class _Segment:
+    def __init__(self, text: str, model_input: str):
+        self.text = text
+        self.model_input = model_input
+        self.tokens: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+
+class VocodeSession:
+    """The request's one Vocode stream, with send times kept for per-hop transit."""
+
+    def __init__(self, pool: ReplicaPool, voice: VoiceSpec, request_id: str, trace_id: str):
+        self.pool, self.voice, self.request_id, self.trace_id = pool, voice, request_id, trace_id
+        self.replica: Replica | None = None
+        self.call = None
+        self.sent_at: list[float] = []
+        self._lease = None
+
+    async def open(self) -> None:
+        self.replica = await pick_ready(self.pool)
+        self._lease = self.pool.lease(self.replica)
+        self._lease.__enter__()
+        stub = vocoder_pb2_grpc.VocoderStub(self.replica.channel)
+        self.call = stub.Vocode(metadata=child_traceparent(self.trace_id))
+        await self.write(vocoder_pb2.VocodeRequest(config=vocoder_pb2.VocodeConfig(
+            voice=self.voice.name, input_kind=vocoder_pb2.INPUT_KIND_SPEECH_TOKENS,
+            request_id=self.request_id)))
+
+    async def write(self, message: vocoder_pb2.VocodeRequest) -> None:
+        self.sent_at.append(time.perf_counter())
+        await self.call.write(message)
+
+    async def end(self) -> None:
+        await self.write(vocoder_pb2.VocodeRequest(end_of_stream=True))
+        await self.call.done_writing()
+
+    def close(self) -> None:
+        if self.call is not None and not self.call.done():
+            self.call.cancel()
+        if self._lease is not None:
+            self._lease.__exit__(None, None, None)
+            self._lease = None
+
+
+async def pick_ready(pool: ReplicaPool) -> Replica:
+    """A replica whose connection is up; others are health-checked first and skipped if down."""
+    tried: tuple[Replica, ...] = ()
+    while True:
+        replica = pool.pick(exclude=tried)
+        if replica.channel.get_state() == grpc.ChannelConnectivity.READY or await pool.check(replica):
+            return replica
+        tried += (replica,)
+
+
+class Pipeline:
+    """Runs syntheses against pools of text-service and vocoder-service replicas."""
+
+    def __init__(self, text_pool: ReplicaPool, vocoder_pool: ReplicaPool, frontends: dict,
+                 lookahead_segments: int = 1):
+        self.text_pool = text_pool
+        self.vocoder_pool = vocoder_pool
+        self.frontends = frontends  # voice name -> FrontEnd
+        self.lookahead_segments = lookahead_segments
+
+    async def synthesize(self, req: SynthesisRequest, texts: AsyncIterator[str],
+                         tracker: LatencyTracker) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        """Audio chunks as they are made; the caller appends tracker.report()."""
+        out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz, req.speaking_rate)
+        vocoder = VocodeSession(self.vocoder_pool, req.voice, req.request_id, req.trace_id)
+        outbox: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+        try:
+            await vocoder.open()
+            tasks.append(asyncio.create_task(self._feed(req, texts, vocoder, tracker, outbox, tasks)))
+            tasks.append(asyncio.create_task(self._read_audio(vocoder, out, tracker, outbox)))
+            seq = 0
+            while True:
+                item = await outbox.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                for piece in item:
+                    yield tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(
+                        audio=piece.audio, sequence_number=seq, first_sample=piece.first_sample,
+                        duration_s=piece.duration_s, sample_rate_hz=piece.sample_rate_hz))
+                    tracker.on_audio_sent(piece.duration_s)
+                    seq += 1
+        except grpc.aio.AioRpcError as exc:
+            raise downstream_error("vocoder", vocoder.replica, exc) from None
+        finally:
+            for task in tasks:
+                task.cancel()
+            vocoder.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- text side ----------------------------------------------------------------------------
+    async def _feed(self, req, texts, vocoder, tracker, outbox, tasks) -> None:
+        """Segments in order: each one's speech tokens go to the vocoder as they arrive."""
+        try:
+            ready: asyncio.Queue = asyncio.Queue(maxsize=self.lookahead_segments)
+
+            async def produce() -> None:
+                frontend = self.frontends[req.voice.name]
+                index = 0
+                try:
+                    async for text in texts:
+                        started = time.perf_counter()
+                        segments = await asyncio.to_thread(frontend.process, text, req.language)
+                        tracker.frontend_ms += 1e3 * (time.perf_counter() - started)
+                        for s in segments:
+                            seg = _Segment(s.text, s.model_input)
+                            await ready.put(seg)  # at most lookahead_segments wait ahead
+                            seg.task = asyncio.create_task(self._generate(req, seg, tracker, index))
+                            tasks.append(seg.task)
+                            index += 1
+                    await ready.put(None)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - e.g. bad input in a streamed request
+                    await ready.put(exc)
+
+            producer = asyncio.create_task(produce())
+            tasks.append(producer)
+            lo = req.voice.speech_token_range[0]
+            while (seg := await ready.get()) is not None:
+                if isinstance(seg, BaseException):
+                    raise seg
+                while (ids := await seg.tokens.get()) is not None:
+                    if isinstance(ids, BaseException):
+                        raise ids
+                    tracker.num_speech_tokens += len(ids)
+                    await vocoder.write(vocoder_pb2.VocodeRequest(
+                        tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])))
+            await producer
+            if tracker.num_segments == 0:
+                raise InvalidArgument("text: nothing to speak after normalisation (only "
+                                      "punctuation or symbols)")
+            if tracker.num_speech_tokens == 0:
+                raise StatusError("the speech model produced no speech tokens for this text",
+                                  grpc.StatusCode.INTERNAL)
+            await vocoder.end()
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            outbox.put_nowait(downstream_error("vocoder", vocoder.replica, exc))
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by synthesize()
+            outbox.put_nowait(exc)
+
+    def _generate_request(self, req: SynthesisRequest, seg: _Segment, index: int):
+        voice = req.voice
+        max_tokens = voice.max_tokens
+        if voice.max_tokens_per_char > 0:
+            max_tokens = min(max_tokens, int(64 + voice.max_tokens_per_char * len(seg.model_input)))
+        allowed = voice.allowed_token_range or voice.speech_token_range
+        s = req.sampling
+        sampling = text_pb2.SamplingConfig(
+            temperature=s.get("temperature", 0.0), top_p=s.get("top_p", 1.0),
+            top_k=s.get("top_k", 0), repetition_penalty=s.get("repetition_penalty", 1.0),
+            repetition_window=s.get("repetition_window", 0))
+        if s.get("seed") is not None:
+            sampling.seed = (int(s["seed"]) + index) % (1 << 64)
+        return text_pb2.GenerateRequest(
+            request_id=f"{req.request_id}-{index}",
+            text=voice.prompt_template.replace("{text}", seg.model_input), sampling=sampling,
+            max_tokens=max_tokens, stop_token_ids=[voice.end_token_id],
+            allowed_tokens=text_pb2.TokenRange(start=allowed[0], end=allowed[1]))
+
+    async def _generate(self, req: SynthesisRequest, seg: _Segment, tracker: LatencyTracker,
+                        index: int) -> None:
+        """Stream one segment's tokens into seg.tokens; retried once if a replica is gone."""
+        request = self._generate_request(req, seg, index)
+        tried: tuple[Replica, ...] = ()
+        try:
+            while True:
+                replica = await pick_ready(self.text_pool) if not tried else self.text_pool.pick(tried)
+                received = False
+                try:
+                    with self.text_pool.lease(replica):
+                        stub = text_pb2_grpc.TextGenerationStub(replica.channel)
+                        sent = time.perf_counter()
+                        first_ms = None
+                        async for resp in stub.Generate(request, metadata=child_traceparent(req.trace_id)):
+                            if not received:
+                                first_ms = 1e3 * (time.perf_counter() - sent)
+                                received = True
+                            ids = [t for t in resp.token_ids if req.voice.is_speech(t)]
+                            if ids:
+                                seg.tokens.put_nowait(ids)
+                            if resp.HasField("timings"):
+                                tracker.text_hop.address = replica.address
+                                tracker.on_segment_done(resp.timings, first_ms,
+                                                        1e3 * (time.perf_counter() - sent))
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and not received:
+                        self.text_pool.mark_down(replica, exc.details() or "unavailable")
+                        tried += (replica,)
+                        continue
+                    raise downstream_error("text", replica, exc) from None
+            seg.tokens.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the feeder in order
+            seg.tokens.put_nowait(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+
+    # -- vocoder side -------------------------------------------------------------------------
+    async def _read_audio(self, vocoder: VocodeSession, out: AudioOutput, tracker: LatencyTracker,
+                          outbox: asyncio.Queue) -> None:
+        try:
+            tracker.vocoder_hop.address = vocoder.replica.address
+            async for resp in vocoder.call:
+                now = time.perf_counter()
+                if resp.HasField("summary"):
+                    tracker.vocoder_compute_ms = resp.summary.compute_ms
+                    continue
+                t = resp.timings
+                if 0 <= t.trigger_message < len(vocoder.sent_at):
+                    tracker.vocoder_hop.add(1e3 * (now - vocoder.sent_at[t.trigger_message]) - t.service_ms)
+                pcm = np.frombuffer(resp.audio.pcm, dtype="<i2").astype(np.float32) / 32767.0
+                pieces = out.push(pcm)
+                if pieces:
+                    outbox.put_nowait(pieces)
+            tail = out.finish()
+            if tail:
+                outbox.put_nowait(tail)
+            outbox.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            outbox.put_nowait(downstream_error("vocoder", vocoder.replica, exc))
+        except BaseException as exc:  # noqa: BLE001
+            outbox.put_nowait(exc)

@@ -1,0 +1,193 @@
+"""gRPC servicer of splittts.tts.v1: validate, run the pipeline, stream audio, then the report."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import uuid
+from typing import AsyncIterator
+
+from orchestrator import metrics
+from orchestrator.audio import resolve_audio_format
+from orchestrator.frontend import StreamingSegmenter, detect_language, split_sentences
+from orchestrator.latency import LatencyTracker
+from orchestrator.pipeline import Pipeline, SynthesisRequest
+from orchestrator.voices import VoiceSpec
+from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted, StatusError
+from servicekit.logs import log_event
+from splittts.tts.v1 import tts_pb2 as pb
+from splittts.tts.v1 import tts_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_TEXT_CHARS = 5000
+MAX_STREAMING_TEXT_CHARS = 20000
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def trace_id_from(context) -> str:
+    """The caller's W3C trace id when it sent a valid traceparent, else a new one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            m = _TRACEPARENT.match(value.strip().lower())
+            if m and m.group(1) != "0" * 32:
+                return m.group(1)
+    return secrets.token_hex(16)
+
+
+class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
+    """The public TTS API."""
+
+    def __init__(self, pipeline: Pipeline, voices: list[VoiceSpec], max_in_flight: int = 64):
+        if not voices:
+            raise ValueError("at least one voice is required")
+        self.pipeline = pipeline
+        self.voices = {v.name: v for v in voices}
+        self.default_voice = voices[0].name
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    # -- validation ---------------------------------------------------------------------------
+    def _request(self, context, *, voice: str, language_code: str, audio_config, sampling,
+                 request_id: str, sample_text: str) -> SynthesisRequest:
+        name = voice or self.default_voice
+        spec = self.voices.get(name)
+        if spec is None:
+            raise NotFound(f"voice: unknown voice {name!r}; available: {sorted(self.voices)}")
+        language = spec.language_for(language_code) if language_code else spec.language_for(
+            detect_language(sample_text)) or spec.languages[0]
+        if language is None:
+            raise InvalidArgument(f"language_code: voice {name!r} speaks "
+                                  f"{', '.join(spec.languages)} (got {language_code!r})")
+        if audio_config.encoding not in pb.AudioEncoding.values():
+            raise InvalidArgument(f"audio_config.encoding: unsupported value {audio_config.encoding}; "
+                                  "use LINEAR16, WAV, FLAC or OGG_OPUS")
+        encoding = pb.AudioEncoding.Name(audio_config.encoding) if audio_config.encoding else "LINEAR16"
+        try:
+            fmt = resolve_audio_format(spec.sample_rate, encoding, audio_config.sample_rate_hz,
+                                       audio_config.speaking_rate or 1.0)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        params = dict(spec.sampling)
+        for key in ("temperature", "top_p", "top_k", "seed"):
+            if sampling.HasField(key):
+                params[key] = getattr(sampling, key)
+        if params.get("temperature", 0.0) < 0:
+            raise InvalidArgument("sampling.temperature must be >= 0 (0 = greedy)")
+        if not 0 < params.get("top_p", 1.0) <= 1:
+            raise InvalidArgument("sampling.top_p must lie in (0, 1]")
+        if params.get("top_k", 0) < 0:
+            raise InvalidArgument("sampling.top_k must be >= 0 (0 = off)")
+        return SynthesisRequest(request_id=request_id or uuid.uuid4().hex, voice=spec,
+                                language=language, encoding=fmt.encoding,
+                                sample_rate_hz=fmt.output_rate if audio_config.sample_rate_hz else 0,
+                                speaking_rate=fmt.speaking_rate, sampling=params,
+                                trace_id=trace_id_from(context))
+
+    def _admit(self) -> None:
+        if self.in_flight >= self.max_in_flight:
+            raise ResourceExhausted(f"{self.in_flight} syntheses in flight (max_in_flight="
+                                    f"{self.max_in_flight}); retry later")
+
+    # -- RPCs -----------------------------------------------------------------------------------
+    async def Synthesize(self, request, context):
+        """Speak a whole text; audio streams back as it is made, then the LatencyReport."""
+        tracker = LatencyTracker(request.request_id)
+        text = request.text
+        if not text.strip():
+            raise InvalidArgument("text: must not be empty")
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidArgument(f"text: {len(text)} characters exceed the limit of "
+                                  f"{MAX_TEXT_CHARS}; split it or use StreamingSynthesize")
+        req = self._request(context, voice=request.voice, language_code=request.language_code,
+                            audio_config=request.audio_config, sampling=request.sampling,
+                            request_id=request.request_id, sample_text=text)
+        tracker.request_id = req.request_id
+        self._admit()
+
+        async def texts() -> AsyncIterator[str]:
+            for sentence in split_sentences(text, req.language):
+                yield sentence
+
+        async for msg in self._run("Synthesize", req, texts(), tracker):
+            yield msg
+
+    async def StreamingSynthesize(self, request_iterator, context):
+        """Config first, then text pieces; audio starts at the first sentence or clause."""
+        tracker = LatencyTracker("")
+        requests = request_iterator.__aiter__()
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("config: the first message must be a StreamingSynthesizeConfig "
+                                  "(the stream ended before it)") from None
+        if first.WhichOneof("request") != "config":
+            raise InvalidArgument("config: the first message must be a StreamingSynthesizeConfig "
+                                  f"(got {first.WhichOneof('request') or 'an empty message'})")
+        c = first.config
+        req = self._request(context, voice=c.voice, language_code=c.language_code,
+                            audio_config=c.audio_config, sampling=c.sampling,
+                            request_id=c.request_id, sample_text="")
+        tracker.request_id = req.request_id
+        self._admit()
+
+        async def texts() -> AsyncIterator[str]:
+            segmenter = StreamingSegmenter(req.language)
+            total, blank = 0, True
+            async for msg in requests:
+                kind = msg.WhichOneof("request")
+                if kind == "config":
+                    raise InvalidArgument("config: sent twice; it must be the first message only")
+                if kind != "text":
+                    raise InvalidArgument("each message after the config must carry text")
+                total += len(msg.text)
+                blank = blank and not msg.text.strip()
+                if total > MAX_STREAMING_TEXT_CHARS:
+                    raise InvalidArgument(f"text: {total} characters exceed the streaming limit "
+                                          f"of {MAX_STREAMING_TEXT_CHARS}")
+                for segment in segmenter.push(msg.text):
+                    yield segment
+            if blank:
+                raise InvalidArgument("text: no text arrived before the end of input")
+            for segment in segmenter.flush():
+                yield segment
+
+        async for msg in self._run("StreamingSynthesize", req, texts(), tracker):
+            yield msg
+
+    async def _run(self, rpc: str, req: SynthesisRequest, texts, tracker: LatencyTracker):
+        tracker.arrival = min(tracker.arrival, req.arrival)
+        self.in_flight += 1
+        metrics.IN_FLIGHT.inc()
+        status = "CANCELLED"
+        try:
+            async for msg in self.pipeline.synthesize(req, texts, tracker):
+                yield msg
+            report = tracker.report()
+            status = "OK"
+            metrics.observe_report(report)
+            log_event(log, "synthesis", request_id=req.request_id, rpc=rpc, voice=req.voice.name,
+                      ttfa_ms=round(report.ttfa_ms, 1), ttft_ms=round(report.ttft_ms, 1),
+                      audio_s=round(report.audio_s, 3), rtf=round(report.rtf, 3),
+                      segments=report.num_segments, underruns=report.underruns,
+                      trace_id=req.trace_id)
+            yield pb.SynthesizeResponse(report=report)
+        except StatusError as exc:
+            status = exc.code.name
+            raise
+        finally:
+            self.in_flight -= 1
+            metrics.IN_FLIGHT.dec()
+            metrics.REQUESTS.labels(rpc, status).inc()
+
+    async def ListVoices(self, request, context):
+        """Voices of this deployment, the default first."""
+        voices = []
+        for spec in self.voices.values():
+            if request.language_code and spec.language_for(request.language_code) is None:
+                continue
+            voices.append(pb.Voice(name=spec.name, language_codes=list(spec.languages),
+                                   sample_rate_hz=spec.sample_rate, description=spec.description,
+                                   is_default=spec.name == self.default_voice))
+        return pb.ListVoicesResponse(voices=voices)
