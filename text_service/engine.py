@@ -158,7 +158,7 @@ class LLMEngine:
         for seq, token_id in zip(seqs, token_ids):
             if token_id is None:
                 continue  # mid-prefill
-            if getattr(seq, "prefill_done_time", None) is None:
+            if seq.prefill_done_time is None:
                 seq.prefill_done_time = now
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -182,7 +182,8 @@ class LLMEngine:
                 # Feed the queue as it drains so any number of prompts fits max_num_waiting.
                 while pending and len(self.scheduler.waiting) < self.config.max_num_waiting:
                     prompt, sp = pending.pop()
-                    seqs.append(self.add_request(f"generate-{next(self._generate_ids)}", prompt, sp))
+                    request_id = f"generate-{next(self._generate_ids)}"
+                    seqs.append(self.add_request(request_id, prompt, sp))
                 self.step()
         except BaseException:
             for seq in seqs:

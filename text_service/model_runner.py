@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +65,7 @@ class _SeqArrays:
 
 
 class ModelRunner:
-    """Owns the model, its KV and state pools and the sampler; runs one SchedulerOutput at a time."""
+    """Owns the model, its KV and state pools and the sampler; runs one SchedulerOutput a step."""
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype | None,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
@@ -105,7 +104,13 @@ class ModelRunner:
         per_block = self.kv_bytes_per_block(block_size)
         if per_block == 0:
             return max_num_seqs * -(-max_model_len // block_size)
-        return (memory_bytes - state_bytes) // per_block
+        num_blocks = (memory_bytes - state_bytes) // per_block
+        if num_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"kv_cache_memory_bytes={memory_bytes} leaves room for {num_blocks} KV blocks "
+                f"({num_blocks * block_size} tokens) after the state slots, less than one "
+                f"sequence of max_model_len={max_model_len}: raise it or lower max_model_len")
+        return num_blocks
 
     def allocate_caches(self, config: EngineConfig) -> None:
         """Allocate zeroed KV and state pools sized by `config` and attach them to the model."""
@@ -116,7 +121,8 @@ class ModelRunner:
 
     def cache_bytes(self) -> int:
         """Bytes held by the attached KV and state pools."""
-        tensors = [t for a in self.model.attention_layers().values() for t in (a.k_cache, a.v_cache)]
+        tensors = [t for a in self.model.attention_layers().values()
+                   for t in (a.k_cache, a.v_cache)]
         tensors += [t for m in self.model.linear_attention_layers().values()
                     for t in (m.conv_state, m.ssm_state)]
         return sum(t.nbytes for t in tensors if t is not None)
@@ -133,17 +139,17 @@ class ModelRunner:
         """input_ids, positions and the Context of one step, built with array ops."""
         bs = self.config.block_size
         num_seqs = len(seqs)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64,
+                             count=num_seqs)
         lens = np.asarray(num_new_tokens, dtype=np.int64)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
         input_ids = [s.token_ids[-1] for s in seqs[:num_decodes]]  # a decode runs its last token
-        if num_decodes < num_seqs:
-            input_ids = list(chain(input_ids, *(
-                s.token_ids[c:c + n] for s, c, n in
-                zip(seqs[num_decodes:], starts[num_decodes:].tolist(), num_new_tokens[num_decodes:]))))
+        for s, c, n in zip(seqs[num_decodes:], starts[num_decodes:].tolist(),
+                           num_new_tokens[num_decodes:]):
+            input_ids += s.token_ids[c:c + n]
         if num_decodes == num_seqs:
             positions, seq_of_token = starts, np.arange(num_seqs)
         else:
@@ -168,7 +174,8 @@ class ModelRunner:
             seq_lens=to_device(starts + lens, torch.int32),
             slot_mapping=to_device(slot_mapping, torch.int64),
             block_tables=to_device(block_tables, torch.int32),
-            state_indices=torch.tensor([s.state_slot for s in seqs], dtype=torch.int64, device=device),
+            state_indices=torch.tensor([s.state_slot for s in seqs], dtype=torch.int64,
+                                       device=device),
             has_initial_state=to_device(starts > 0, torch.bool),
             num_decodes=num_decodes,
             logits_indices=to_device(logits_indices, torch.int64),

@@ -10,11 +10,14 @@ from text_service.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-5  # below this a row is sampled greedily (dividing by it would overflow)
+_FIRST_WINDOW = 1024  # top-p looks for its nucleus among this many best tokens first
+NEG_INF = float("-inf")
 
 
-def apply_repetition_penalty(logits: Tensor, rows: Tensor, penalties: Tensor, token_ids: Tensor) -> None:
-    """HF-style penalty in place: for ids in `token_ids[i]` (padded by repeats), positive logits
-    of row `rows[i]` are divided by `penalties[i]`, negative ones multiplied."""
+def apply_repetition_penalty(logits: Tensor, rows: Tensor, penalties: Tensor,
+                             token_ids: Tensor) -> None:
+    """HF's rule in place: for the ids in `token_ids[i]` (padded by repeats), positive logits of
+    row `rows[i]` are divided by `penalties[i]` and negative ones multiplied."""
     sub = logits[rows]
     seen = sub.gather(1, token_ids)
     p = penalties[:, None]
@@ -22,37 +25,61 @@ def apply_repetition_penalty(logits: Tensor, rows: Tensor, penalties: Tensor, to
     logits[rows] = sub
 
 
-def apply_allowed_range(logits: Tensor, rows: Tensor, lo: Tensor, hi: Tensor,
-                        exempt_rows: Tensor, exempt_ids: Tensor) -> None:
-    """Set logits of row `rows[i]` outside [lo[i], hi[i]] to -inf in place, except the
-    (`exempt_rows[j]` index into `rows`, `exempt_ids[j]`) pairs."""
-    vocab = torch.arange(logits.shape[1], device=logits.device)
-    outside = (vocab < lo[:, None]) | (vocab > hi[:, None])
-    if exempt_ids.numel():
-        outside[exempt_rows, exempt_ids] = False
-    logits[rows] = logits[rows].masked_fill(outside, float("-inf"))
+def apply_allowed_range(logits: Tensor, lo: int, hi: int, exempt_ids: tuple[int, ...] = ()) -> None:
+    """Set every logit outside [lo, hi] to -inf in place, except those of `exempt_ids`."""
+    keep = logits[:, lo:hi + 1].clone()
+    exempt = list(exempt_ids)
+    kept_exempt = logits[:, exempt].clone() if exempt else None
+    logits.fill_(NEG_INF)
+    logits[:, lo:hi + 1] = keep
+    if exempt:
+        logits[:, exempt] = kept_exempt
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Mask all but each row's top_k logits (ties kept; k >= vocab is off) and the smallest set
-    whose probability reaches top_p (p >= 1 is off); returns new logits."""
-    neg_inf = float("-inf")
-    if top_p is None:
-        if top_k is None:
-            return logits
-        # topk of the largest k is cheaper than a full sort
-        k = top_k.clamp(max=logits.shape[1])
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
-        return logits.masked_fill(logits < kth, neg_inf)
-    ordered, index = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        k = top_k.clamp(max=logits.shape[1])
-        ordered = ordered.masked_fill(ordered < ordered.gather(1, (k - 1)[:, None]), neg_inf)
-    probs = ordered.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # 0 for the top token: it always survives
-    threshold = torch.where(top_p >= 1, torch.full_like(top_p, 2.0), top_p)
-    ordered = ordered.masked_fill(mass_before >= threshold[:, None], neg_inf)
-    return torch.full_like(logits, neg_inf).scatter_(1, index, ordered)
+def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """The candidates of each row, best first: (their logits, -inf where masked; their ids).
+
+    A row keeps its `top_k` best logits (k >= vocab is off; ties at the k-th are cut by rank)
+    and, of those, the smallest set whose probability reaches `top_p` (p >= 1 is off). Only a
+    window of the best tokens is sorted, widened until it holds every row's nucleus.
+    """
+    vocab = logits.shape[1]
+    top_k = top_k.clamp(1, vocab)
+    needs_p = top_p < 1
+    free_p = needs_p & (top_k == vocab)  # nucleus of the whole vocabulary: size unknown
+    # probabilities before truncation, for rows whose nucleus is not bounded by top_k
+    log_norm = logits.logsumexp(-1, keepdim=True) if bool(free_p.any()) else None
+    width = min(vocab, max(int(top_k[~free_p].max()) if bool((~free_p).any()) else 1,
+                           _FIRST_WINDOW if log_norm is not None else 1))
+    while True:
+        values, ids = logits.topk(width, dim=-1)
+        if log_norm is None or width == vocab:
+            break
+        mass = (values - log_norm).exp().sum(-1)
+        if bool(((mass >= top_p) | ~free_p).all()):
+            break
+        width = min(vocab, 4 * width)
+    rank = torch.arange(width, device=logits.device)
+    values = values.masked_fill(rank >= top_k[:, None], NEG_INF)
+    if bool(needs_p.any()):
+        probs = values.softmax(-1)  # within top-k: exact for rows with a top_k
+        if log_norm is not None:
+            probs = torch.where(free_p[:, None], (values - log_norm).exp(), probs)
+        mass_before = probs.cumsum(-1) - probs  # 0 for the best token: it always survives
+        threshold = torch.where(needs_p, top_p, torch.full_like(top_p, 2.0))
+        values = values.masked_fill(mass_before >= threshold[:, None], NEG_INF)
+    return values, ids
+
+
+def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Index drawn from each row of `probs` (need not sum to 1) with one uniform in [0, 1) per row;
+    zero-probability entries are never drawn."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so some entry with positive probability exceeds it
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _splitmix64(x: int) -> int:
@@ -67,13 +94,19 @@ def step_seed(seed: int, step: int) -> int:
     return _splitmix64((_splitmix64(seed) + step) & _MASK64)
 
 
+def _rows(x: Tensor, rows: list[int], num_rows: int) -> Tensor:
+    if len(rows) == num_rows:
+        return x
+    return x[torch.tensor(rows, device=x.device)]
+
+
 class Sampler:
     """Picks one token per row of fp32 logits according to each row's SamplingParams.
 
-    Greedy rows (temperature 0, or below 1e-5) take the argmax after penalties and range masks, so plain greedy
-    equals HF greedy. Random rows draw Gumbel-style with exponential noise: unseeded rows from
-    the sampler's generator, a seeded row from a generator seeded by (seed, output position),
-    so its tokens do not depend on what else is in the batch.
+    Greedy rows (temperature 0, or below 1e-5) take the argmax after penalties and range masks,
+    so plain greedy equals HF greedy. Random rows invert the CDF with one uniform draw each:
+    unseeded rows from the sampler's generator, a seeded row from a generator seeded by
+    (seed, output position), so its tokens do not depend on what else is in the batch.
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
@@ -87,8 +120,9 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: Tensor, params: list[SamplingParams],
                  histories: list[np.ndarray | None], steps: list[int]) -> list[int]:
-        """Sample a token per row (penalties and masks edit `logits` in place). `histories[i]`: prompt + output ids so far (only read when a
-        repetition penalty is set); `steps[i]`: output tokens so far (the seed stream offset)."""
+        """Sample a token per row (penalties and masks edit `logits` in place). `histories[i]`:
+        prompt + output ids so far, read only under a repetition penalty; `steps[i]`: output
+        tokens so far, the offset in a seeded request's random stream."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
         if not params:
@@ -98,38 +132,47 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
         if not random_rows:
             return logits.argmax(dim=-1).tolist()
-        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        if len(random_rows) < len(params):
-            greedy = torch.tensor([i for i, p in enumerate(params) if p.temperature < _MIN_TEMPERATURE],
-                                  device=logits.device)
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-            rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = self._sample([params[i] for i in random_rows], logits[rows],
-                                        [steps[i] for i in random_rows])
-        else:
-            tokens = self._sample(params, logits, steps)
+        if len(random_rows) == len(params):
+            return self._sample(params, logits, steps).tolist()
+        tokens = logits.argmax(dim=-1)
+        rows = torch.tensor(random_rows, device=logits.device)
+        tokens[rows] = self._sample([params[i] for i in random_rows], logits[rows],
+                                    [steps[i] for i in random_rows])
         return tokens.tolist()
 
+    def _uniforms(self, params: list[SamplingParams], steps: list[int]) -> Tensor:
+        u = torch.rand(len(params), generator=self.generator, device=self.device)
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                self._row_generator.manual_seed(step_seed(p.seed, steps[i]))
+                u[i] = torch.rand(1, generator=self._row_generator, device=self.device)[0]
+        return u
+
     def _sample(self, params: list[SamplingParams], logits: Tensor, steps: list[int]) -> Tensor:
-        device = logits.device
+        n, device = len(params), logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
         logits = logits / temps[:, None]
-        top_k = top_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                                 device=device)
-        if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
-        probs = apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
-        if len(seeded) < len(params):
-            noise.exponential_(generator=self.generator)
-        for i in seeded:
-            self._row_generator.manual_seed(step_seed(params[i].seed, steps[i]))
-            noise[i].exponential_(generator=self._row_generator)
-        # argmax(p / E) with E ~ Exp(1) draws from p; the floor keeps 0-probability ids unpicked
-        return probs.div_(noise.clamp_min_(1e-20)).argmax(dim=-1)
+        uniforms = self._uniforms(params, steps)
+        # Each row takes one path by its own params, so a seeded row ignores its neighbours.
+        truncated = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
+        full = [i for i, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1)]
+        tokens = torch.empty(n, dtype=torch.long, device=device)
+        if full:
+            picked = inverse_cdf(_rows(logits, full, n).softmax(-1), _rows(uniforms, full, n))
+            if len(full) == n:
+                return picked
+            tokens[torch.tensor(full, device=device)] = picked
+        top_k = torch.tensor([params[i].top_k or self.vocab_size for i in truncated],
+                             device=device)
+        top_p = torch.tensor([params[i].top_p for i in truncated], dtype=logits.dtype,
+                             device=device)
+        values, ids = top_k_top_p(_rows(logits, truncated, n), top_k, top_p)
+        rank = inverse_cdf(values.softmax(-1), _rows(uniforms, truncated, n))
+        picked = ids.gather(1, rank[:, None]).squeeze(1)
+        if len(truncated) == n:
+            return picked
+        tokens[torch.tensor(truncated, device=device)] = picked
+        return tokens
 
     def _penalize(self, logits: Tensor, params: list[SamplingParams],
                   histories: list[np.ndarray | None]) -> None:
@@ -142,8 +185,7 @@ class Sampler:
             if history is None or len(history) == 0:
                 raise ValueError(f"row {i} has a repetition penalty but no token history")
             windows.append(history[-window:] if window else history)
-        width = max(len(w) for w in windows)
-        ids = np.empty((len(rows), width), dtype=np.int64)
+        ids = np.empty((len(rows), max(len(w) for w in windows)), dtype=np.int64)
         for r, w in enumerate(windows):
             ids[r, :len(w)] = w
             ids[r, len(w):] = w[-1]  # repeats leave the result unchanged
@@ -154,17 +196,16 @@ class Sampler:
                                  torch.from_numpy(ids).to(device))
 
     def _mask_ranges(self, logits: Tensor, params: list[SamplingParams]) -> None:
-        rows = [i for i, p in enumerate(params) if p.allowed_token_range is not None]
-        if not rows:
-            return
-        exempt_rows, exempt_ids = [], []
-        for r, i in enumerate(rows):
-            ids = params[i].exempt_token_ids(self.eos_token_ids)
-            exempt_rows += [r] * len(ids)
-            exempt_ids += ids
-        device = logits.device
-        lo = torch.tensor([params[i].allowed_token_range[0] for i in rows], device=device)
-        hi = torch.tensor([params[i].allowed_token_range[1] for i in rows], device=device)
-        apply_allowed_range(logits, torch.tensor(rows, device=device), lo, hi,
-                            torch.tensor(exempt_rows, dtype=torch.long, device=device),
-                            torch.tensor(exempt_ids, dtype=torch.long, device=device))
+        groups: dict[tuple, list[int]] = {}  # requests usually share one speech-token range
+        for i, p in enumerate(params):
+            if p.allowed_token_range is not None:
+                key = (*p.allowed_token_range, p.exempt_token_ids(self.eos_token_ids))
+                groups.setdefault(key, []).append(i)
+        for (lo, hi, exempt), rows in groups.items():
+            if len(rows) == len(params):
+                apply_allowed_range(logits, lo, hi, exempt)
+            else:
+                index = torch.tensor(rows, device=logits.device)
+                sub = logits[index]
+                apply_allowed_range(sub, lo, hi, exempt)
+                logits[index] = sub

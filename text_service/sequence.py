@@ -44,6 +44,7 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
+        self.prefill_done_time: float | None = None  # prompt fully computed (first admission)
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
 
