@@ -160,12 +160,25 @@ class Pipeline:
         """Segments in order: each one's speech tokens go to the vocoder as they arrive."""
         try:
             ready: asyncio.Queue = asyncio.Queue(maxsize=self.lookahead_segments)
+            awaiting_text = asyncio.Event()  # set while the caller has not sent the next text
+
+            async def next_text(it):
+                awaiting_text.set()
+                try:
+                    return await it.__anext__()
+                finally:
+                    awaiting_text.clear()
 
             async def produce() -> None:
                 frontend = self.frontends[req.voice.name]
                 index = 0
+                it = texts.__aiter__()
                 try:
-                    async for text in texts:
+                    while True:
+                        try:
+                            text = await next_text(it)
+                        except StopAsyncIteration:
+                            break
                         started = time.perf_counter()
                         segments = await asyncio.to_thread(frontend.process, text, req.language)
                         tracker.frontend_ms += 1e3 * (time.perf_counter() - started)
@@ -193,6 +206,10 @@ class Pipeline:
                     tracker.num_speech_tokens += len(ids)
                     await vocoder.write(vocoder_pb2.VocodeRequest(
                         tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])))
+                if ready.empty() and awaiting_text.is_set() and tracker.num_speech_tokens:
+                    # The caller is still writing: let the vocoder finish this sentence now
+                    # rather than hold its tail back until more text arrives.
+                    await vocoder.write(vocoder_pb2.VocodeRequest(flush=True))
             await producer
             if tracker.num_segments == 0:
                 raise InvalidArgument("text: nothing to speak after normalisation (only "

@@ -185,7 +185,13 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                     if not req.end_of_stream:
                         raise InvalidArgument("end_of_stream must be true when set")
                     break
-                received += self._push(stream, req, kind)
+                if kind == "flush":
+                    if not req.flush:
+                        raise InvalidArgument("flush must be true when set")
+                    if received:
+                        stream.mark_boundary()
+                else:
+                    received += self._push(stream, req, kind)
                 if received > self.limits.max_stream_frames:
                     raise InvalidArgument(f"stream exceeds {self.limits.max_stream_frames} "
                                           "frames (about ten minutes of audio)")

@@ -92,6 +92,10 @@ class AudioChunk:
     def num_samples(self) -> int:
         return int(self.audio.shape[0])
 
+    def pcm16(self) -> bytes:
+        """Mono 16-bit little-endian PCM."""
+        return (np.clip(self.audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
 
 class VocoderStream:
     """Accepts mel frames or speech tokens in any chunk sizes; yields exact audio jobs."""
@@ -116,6 +120,8 @@ class VocoderStream:
         self._tok_decoded = 0
         self._arrivals: deque[tuple[int, float]] = deque()  # (frames available, time)
         self.ended = False
+        self._boundary_frames = 0  # frames that go out without waiting for right context
+        self._boundary_tokens = 0
         self._flushed_at = 0.0
         self._next_job = 0
         self._next_complete = 0
@@ -154,15 +160,27 @@ class VocoderStream:
                  if self.token_decoder is not None else self.frames_received)
         self._note_arrival(total)
 
+    def mark_boundary(self) -> None:
+        """Vocode everything received so far without waiting for right context; input may
+        continue afterwards. For pauses in the input (the next sentence's text has not arrived):
+        the audio around this point then differs slightly from offline synthesis."""
+        self._check_open()
+        if self.token_decoder is not None:
+            self._boundary_tokens = self.tokens_received
+            self._decode_tokens()
+        self._boundary_frames = self.frames_received
+        self._note_arrival(self.frames_received)
+
     # -- jobs -------------------------------------------------------------------------------
     def ready(self) -> list[Job]:
         """Jobs whose frames and right context have all arrived, in order; each is issued once."""
         self._decode_tokens()
         jobs = []
         while (remaining := self.frames_received - self._scheduled) > 0:
-            schedulable = remaining if self.ended else remaining - self.context_right
+            forced = self._boundary_frames - self._scheduled  # due now, whatever the policy
+            schedulable = remaining if self.ended else max(remaining - self.context_right, forced)
             want = self.policy.min_frames(self._next_job)
-            if schedulable < want and not self.ended:
+            if schedulable < want and not self.ended and forced <= 0:
                 break
             take = want if self._next_job == 0 else max(want, min(schedulable, self.policy.max_chunk_frames))
             jobs.append(self._make_job(self._scheduled, min(take, schedulable)))
@@ -223,7 +241,8 @@ class VocoderStream:
         dec = self.token_decoder
         if dec is None:
             return
-        end = self.tokens_received if self.ended else self.tokens_received - dec.lookahead
+        end = self.tokens_received if self.ended else max(self.tokens_received - dec.lookahead,
+                                                          self._boundary_tokens)
         a = self._tok_decoded
         if end <= a:
             return
