@@ -2,7 +2,7 @@
 # code, system packages) and skips what is already there.
 PY      := .venv/bin/python
 PROTOS  := $(shell find protos -name '*.proto')
-SYSPKGS := espeak-ng flite
+SYSPKGS := espeak-ng flite chromium
 
 .PHONY: demo test setup sysdeps protos clean
 
@@ -28,9 +28,11 @@ splittts/.generated: $(PROTOS) protos/generate.py .venv/.installed
 
 protos: splittts/.generated
 
-# System packages the tests use (real speech from flite / espeak-ng), installed when missing.
+# System packages the tests use, installed when missing: flite / espeak-ng (real speech, G2P),
+# chromium (browser tests of the web demo) and a CJK font for its screenshots.
 sysdeps:
 	@missing=""; for p in $(SYSPKGS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	fc-list 2>/dev/null | grep -qi wqy || missing="$$missing fonts-wqy-zenhei"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing system packages:$$missing"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

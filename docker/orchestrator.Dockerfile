@@ -17,7 +17,7 @@ COPY . .
 # Generated gRPC code is never committed: compile it here so the wheel carries splittts/.
 # pypinyin: the Mandarin front end's G2P (text to tone-numbered pinyin).
 RUN python protos/generate.py . \
-    && pip install --no-cache-dir /src pypinyin==0.55.0 \
+    && pip install --no-cache-dir /src pypinyin==0.55.0 aiohttp==3.14.5 \
         grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
         numpy==2.4.6 safetensors==0.8.0 transformers==5.24.0 tokenizers==0.23.3 \
         prometheus-client==0.26.0 soundfile==0.14.0 soxr==1.1.0 onnx==1.23.2 \
@@ -39,10 +39,10 @@ ENV PATH=/opt/venv/bin:${PATH} \
     HF_HUB_OFFLINE=1
 USER 10001:10001
 WORKDIR /home/splittts
-EXPOSE 50050 9090
+EXPOSE 50050 9090 8080
 # grpc.health.v1 Check on this service; exit 0 only when it answers SERVING.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service=sys.argv[2]),timeout=4);sys.exit(r.status!=h.HealthCheckResponse.SERVING)", "127.0.0.1:50050", "splittts.tts.v1.TextToSpeech"]
-CMD ["orchestrator", "--host", "0.0.0.0", "--port", "50050", "--metrics-port", "9090", \
+CMD ["orchestrator", "--host", "0.0.0.0", "--port", "50050", "--metrics-port", "9090", "--http-port", "8080", \
      "--text-service", "text-service:50051", "--vocoder-service", "vocoder-service:50052", \
      "--voice", "/opt/split-tts/voices/default"]

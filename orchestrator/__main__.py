@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50050, help="gRPC port (0 picks a free one)")
     p.add_argument("--metrics-port", type=int, default=9090,
                    help="Prometheus /metrics port (0 picks a free one, -1 disables)")
+    p.add_argument("--http-port", type=int, default=8080,
+                   help="web demo page and its WebSocket relay (0 picks a free one, -1 disables)")
     p.add_argument("--text-service", action="append", default=[], metavar="ADDR",
                    help="text-service replica host:port (repeatable)")
     p.add_argument("--vocoder-service", action="append", default=[], metavar="ADDR",
@@ -54,7 +56,23 @@ async def run(args: argparse.Namespace) -> None:
         await text_pool.start()
         await vocoder_pool.start()
 
+    web = None
+
+    async def start_web(grpc_port: int) -> dict:
+        nonlocal web
+        if args.http_port < 0:
+            return {}
+        from orchestrator.web import WebDemo, loopback_target
+
+        web = WebDemo(loopback_target(args.host, grpc_port))
+        try:
+            return {"http_port": await web.start(args.host, args.http_port)}
+        except OSError as exc:
+            raise ValueError(f"--http-port {args.http_port}: {exc.strerror or exc}") from None
+
     async def stop() -> None:
+        if web is not None:
+            await web.stop()
         await text_pool.close()
         await vocoder_pool.close()
 
@@ -62,7 +80,7 @@ async def run(args: argparse.Namespace) -> None:
     await serve([Service(name, tts_pb2_grpc.add_TextToSpeechServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                warmup=warmup, grace_s=args.grace, on_stop=stop)
+                warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,11 +164,13 @@ def cmd_serve(args) -> int:
     local = LocalDeployment(voice_dir, ports=(args.port, args.text_port, args.vocoder_port),
                             metrics_ports=(args.metrics_port, args.metrics_port + 1 if args.metrics_port > 0 else -1,
                                            args.metrics_port + 2 if args.metrics_port > 0 else -1),
-                            host=args.host, quiet=False)
+                            host=args.host, quiet=False, http_port=args.http_port)
     local.start()
+    web = f"; web demo http://{args.host}:{local.processes[-1].http_port}/" \
+        if local.processes[-1].http_port else ""
     print(f"serving splittts.tts.v1 on {args.host}:{local.processes[-1].port} "
-          f"(text-service :{local.processes[0].port}, vocoder-service :{local.processes[1].port}); "
-          "Ctrl-C drains and stops", file=sys.stderr, flush=True)
+          f"(text-service :{local.processes[0].port}, vocoder-service :{local.processes[1].port})"
+          f"{web}; Ctrl-C drains and stops", file=sys.stderr, flush=True)
     stop = []
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -237,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--vocoder-port", type=int, default=50052)
     sv.add_argument("--metrics-port", type=int, default=9090,
                     help="orchestrator metrics; the text and vocoder services use the next two")
+    sv.add_argument("--http-port", type=int, default=8080,
+                    help="web demo port (0 picks a free one, -1 disables)")
     sv.add_argument("--voice-dir")
     sv.set_defaults(func=cmd_serve)
 

@@ -24,6 +24,7 @@ class Process:
     port: int
     metrics_port: int | None
     stderr_tail: list[str] = field(default_factory=list)
+    http_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -58,7 +59,8 @@ def start_service(name: str, module: str, args: list[str], *, port: int = 0, met
             continue
         if event.get("event") == "serving":
             threading.Thread(target=lambda: [*proc.stdout], daemon=True).start()
-            return Process(name, proc, event["port"], event.get("metrics_port"), tail)
+            return Process(name, proc, event["port"], event.get("metrics_port"), tail,
+                           event.get("http_port"))
         if time.monotonic() > deadline:
             break
     proc.kill()
@@ -73,8 +75,10 @@ class LocalDeployment:
     def __init__(self, voice_dir: str | Path, *, threads: dict[str, int] | None = None,
                  ports: tuple[int, int, int] = (0, 0, 0), metrics_ports: tuple[int, int, int] = (-1, -1, -1),
                  host: str = "127.0.0.1", quiet: bool = True, text_args: list[str] | None = None,
-                 vocoder_args: list[str] | None = None, cpus: dict[str, set[int]] | None = None):
+                 vocoder_args: list[str] | None = None, cpus: dict[str, set[int]] | None = None,
+                 http_port: int = -1):
         self.voice_dir = Path(voice_dir)
+        self.http_port = http_port  # the orchestrator's web demo: 0 picks a free port, -1 is off
         self.threads = threads or {}
         self.ports, self.metrics_ports, self.host, self.quiet = ports, metrics_ports, host, quiet
         self.text_args, self.vocoder_args = text_args or [], vocoder_args or []
@@ -101,7 +105,8 @@ class LocalDeployment:
             self.processes.append(vocoder)
             orch = start_service("orchestrator", "orchestrator",
                                  ["--voice", str(self.voice_dir), "--text-service", text.address,
-                                  "--vocoder-service", vocoder.address], port=self.ports[0],
+                                  "--vocoder-service", vocoder.address,
+                                  "--http-port", str(self.http_port)], port=self.ports[0],
                                  metrics_port=self.metrics_ports[0], host=self.host,
                                  quiet=self.quiet, cpus=self.cpus.get("orchestrator"))
             self.processes.append(orch)
@@ -113,6 +118,12 @@ class LocalDeployment:
     @property
     def address(self) -> str:
         return self.processes[-1].address
+
+    @property
+    def http_url(self) -> str | None:
+        """The web demo's URL, when started with an HTTP port."""
+        port = self.processes[-1].http_port
+        return None if port is None else f"http://127.0.0.1:{port}/"
 
     def by_name(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)

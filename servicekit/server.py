@@ -87,12 +87,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int = 0,
                 metrics_port: int | None = 0, warmup: Callable[[], Awaitable[None] | None] | None = None,
                 grace_s: float = 10.0, on_stop: Callable[[], Awaitable[None] | None] | None = None,
-                stop_event: asyncio.Event | None = None) -> None:
+                stop_event: asyncio.Event | None = None,
+                serving_info: Callable[[int], Awaitable[dict] | dict] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then drain in-flight calls for `grace_s`.
 
     Health reports NOT_SERVING until `warmup` returns and again while draining. Once serving, one
     JSON line `{"event": "serving", "port": ..., "metrics_port": ...}` goes to stdout so a parent
-    process that asked for port 0 learns the bound ports.
+    process that asked for port 0 learns the bound ports. `serving_info`, called with the bound
+    gRPC port once warm, returns extra fields for that line (e.g. another port it bound).
     """
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -129,10 +131,17 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
         result = warmup()
         if inspect.isawaitable(result):
             await result
+    try:
+        extra = serving_info(bound_port) if serving_info is not None else {}
+        if inspect.isawaitable(extra):
+            extra = await extra
+    except BaseException:
+        await server.stop(None)
+        raise
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(json.dumps({"event": "serving", "services": names, "host": host, "port": bound_port,
-                      "metrics_port": bound_metrics}), flush=True)
+                      "metrics_port": bound_metrics, **(extra or {})}), flush=True)
 
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()

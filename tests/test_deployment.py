@@ -34,6 +34,14 @@ ALLOWED_IGNORES = {
 }
 
 
+
+def served_ports(ns) -> set[int]:
+    """Ports a parsed service command listens on: gRPC, metrics and (orchestrator) the web page."""
+    ports = {ns.port, ns.metrics_port}
+    if getattr(ns, "http_port", -1) > 0:
+        ports.add(ns.http_port)
+    return ports
+
 def health_names() -> dict[str, str]:
     from splittts.text.v1 import text_pb2
     from splittts.tts.v1 import tts_pb2
@@ -160,7 +168,7 @@ def test_dockerfile_command_ports_and_health(service):
     script, ns = parse_command(json.loads(one(path, "CMD")))
     assert script == service
     exposed = {int(p.split("/")[0]) for p in one(path, "EXPOSE").split()}
-    assert exposed == {ns.port, ns.metrics_port}
+    assert exposed == served_ports(ns)
     assert healthcheck_argv(path)[:3] == ["python", "-c", probe_code()]
     assert healthcheck_argv(path)[3:] == [f"127.0.0.1:{ns.port}", health_names()[service]]
     copies = [rest.split()[-1] for kw, rest in instructions(path) if kw == "COPY"]
@@ -253,9 +261,9 @@ def test_compose_wires_the_three_services():
         assert script == name
         parsed[name] = ns
         for mapping in svc.get("ports", []):
-            assert int(str(mapping).split(":")[-1]) in {ns.port, ns.metrics_port}
+            assert int(str(mapping).split(":")[-1]) in served_ports(ns)
         for port in svc.get("expose", []):
-            assert int(port) in {ns.port, ns.metrics_port}
+            assert int(port) in served_ports(ns)
         assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-c"]
         assert svc["healthcheck"]["test"][4:] == [f"127.0.0.1:{ns.port}", health_names()[name]]
     orch = parsed["orchestrator"]
@@ -306,7 +314,10 @@ def test_k8s_deployments_services_and_probes():
         assert script == name
         parsed[name] = ns
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": ns.port, "metrics": ns.metrics_port}
+        want = {"grpc": ns.port, "metrics": ns.metrics_port}
+        if getattr(ns, "http_port", -1) > 0:
+            want["http"] = ns.http_port
+        assert ports == want
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": ns.port, "service": health_names()[name]}
         if name in device:

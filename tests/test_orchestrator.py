@@ -240,7 +240,7 @@ def test_dead_replica_is_skipped(voice_dir):
     v = start_service("vocoder", "vocoder_service", ["--voice", str(voice_dir), "--threads", "1"])
     o = start_service("orchestrator", "orchestrator", ["--voice", str(voice_dir), "--text-service",
                       a.address, "--text-service", b.address, "--vocoder-service", v.address,
-                      "--health-interval", "30"])
+                      "--health-interval", "30", "--http-port", "-1"])
     try:
         for _ in range(2):
             synthesize(o.address, text="both alive")

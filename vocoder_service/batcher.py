@@ -33,9 +33,11 @@ class _Pending:
 class Batcher:
     """Collects jobs while a forward runs; the next forward takes everything collected."""
 
-    def __init__(self, backend: Backend, max_batch: int = 32, on_batch=None):
+    def __init__(self, backend: Backend, max_batch: int = 32, max_batch_frames: int = 1024,
+                 on_batch=None):
         self.backend = backend
         self.max_batch = max_batch
+        self.max_batch_frames = max_batch_frames
         self.on_batch = on_batch  # callback(batch_size, seconds) for metrics
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
@@ -58,14 +60,29 @@ class Batcher:
         self._wake.set()
         return future
 
+    def _take(self, live: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
+        """One job per stream per forward, up to a frame budget: a long stream's backlog
+        never holds up the others for more than one of its own chunks."""
+        batch, rest, streams, frames = [], [], set(), 0
+        for p in live:
+            stream = id(p.job.stream)
+            fits = frames + p.job.window_frames <= self.max_batch_frames or not batch
+            if stream in streams or len(batch) >= self.max_batch or not fits:
+                rest.append(p)
+                continue
+            batch.append(p)
+            streams.add(stream)
+            frames += p.job.window_frames
+        return batch, rest
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                live = [p for p in self._pending if not p.future.cancelled()]
-                batch, self._pending = live[:self.max_batch], live[self.max_batch:]
+                batch, self._pending = self._take([p for p in self._pending
+                                                   if not p.future.cancelled()])
                 if not batch:
                     break
                 started = time.perf_counter()

@@ -1,0 +1,273 @@
+"""The streaming web demo: a page plus a WebSocket that relays the public gRPC API to the browser.
+
+The relay is an ordinary gRPC client of the orchestrator's own public port, so the page exercises
+exactly what any other caller gets. Protocol on `/ws` (one socket per tab, one synthesis at a time):
+
+client -> server, JSON text frames
+  {"type": "speak", "text", "voice", "language_code", "speaking_rate", "request_id"}  Synthesize
+  {"type": "stream", "voice", "language_code", "speaking_rate", "request_id"}  StreamingSynthesize
+  {"type": "text", "text"}  a piece of text for the open StreamingSynthesize
+  {"type": "end"}           end of input (half-close)
+  {"type": "stop"}          cancel the call: the orchestrator cancels both downstream streams
+
+server -> client
+  binary frames: a 16-byte little-endian header (int32 sequence number, int32 sample rate,
+    float64 first sample) followed by the chunk's LINEAR16 PCM
+  {"type": "started", "request_id"}, {"type": "report", "report": {...}},
+  {"type": "stopped"}, {"type": "error", "code", "message", "detail"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import uuid
+from pathlib import Path
+
+import grpc
+from aiohttp import WSMsgType, web
+from google.protobuf import json_format
+
+from splittts.tts.v1 import tts_pb2 as pb
+from splittts.tts.v1 import tts_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent / "web"
+CHUNK_HEADER = struct.Struct("<iid")
+RPC_TIMEOUT_S = 600.0
+
+
+def plain_error(code: grpc.StatusCode, details: str) -> str:
+    """A gRPC error in words a person at the page understands."""
+    details = details or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if "must not be empty" in details or "no text arrived" in details:
+            return "There is nothing to speak: type some text first."
+        if "exceed" in details and "text" in details:
+            return f"That text is too long for one request ({details.split(': ', 1)[-1]})."
+        return f"The server refused the request: {details}"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return f"That voice is not available on this server ({details})."
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "The server is busy with other requests right now; try again in a moment."
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ("The speech service is down or unreachable right now; "
+                "try again in a moment, or check that all services are running.")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "Speaking took too long and was stopped."
+    return f"Something went wrong on the server ({code.name}): {details}"
+
+
+def _audio_config(msg: dict) -> pb.AudioConfig:
+    rate = float(msg.get("speaking_rate") or 0.0)
+    return pb.AudioConfig(encoding=pb.LINEAR16, speaking_rate=rate)
+
+
+def _request_id(msg: dict) -> str:
+    return str(msg.get("request_id") or f"web-{uuid.uuid4().hex[:12]}")
+
+
+class _Session:
+    """One WebSocket: at most one call in flight, relayed frame by frame."""
+
+    def __init__(self, ws: web.WebSocketResponse, stub: tts_pb2_grpc.TextToSpeechStub):
+        self.ws, self.stub = ws, stub
+        self.call = None
+        self.task: asyncio.Task | None = None
+        self.streaming = False
+        self._send_lock = asyncio.Lock()
+
+    async def send_json(self, obj: dict) -> None:
+        if self.ws.closed:
+            return
+        async with self._send_lock:
+            await self.ws.send_str(json.dumps(obj))
+
+    async def send_bytes(self, data: bytes) -> None:
+        if self.ws.closed:
+            return
+        async with self._send_lock:
+            await self.ws.send_bytes(data)
+
+    @property
+    def busy(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    async def handle(self, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "stop":
+            await self.stop()
+            await self.send_json({"type": "stopped"})
+        elif kind in ("speak", "stream"):
+            await self.stop()  # a new utterance replaces the one playing
+            request_id = _request_id(msg)
+            if kind == "speak":
+                req = pb.SynthesizeRequest(text=str(msg.get("text") or ""),
+                                           voice=str(msg.get("voice") or ""),
+                                           language_code=str(msg.get("language_code") or ""),
+                                           audio_config=_audio_config(msg), request_id=request_id)
+                self.call = self.stub.Synthesize(req, timeout=RPC_TIMEOUT_S)
+            else:
+                self.call = self.stub.StreamingSynthesize(timeout=RPC_TIMEOUT_S)
+                config = pb.StreamingSynthesizeConfig(
+                    voice=str(msg.get("voice") or ""), language_code=str(msg.get("language_code") or ""),
+                    audio_config=_audio_config(msg), request_id=request_id)
+                try:
+                    await self.call.write(pb.StreamingSynthesizeRequest(config=config))
+                except grpc.aio.AioRpcError:
+                    pass  # the relay below reads the call's status and reports it
+            self.streaming = kind == "stream"
+            await self.send_json({"type": "started", "request_id": request_id})
+            self.task = asyncio.create_task(self._relay(self.call))
+        elif kind in ("text", "end"):
+            if not (self.streaming and self.busy):
+                await self.send_json({"type": "error", "code": "FAILED_PRECONDITION",
+                                      "message": "No chatbot stream is open: press Speak first."})
+                return
+            try:
+                if kind == "text":
+                    await self.call.write(pb.StreamingSynthesizeRequest(text=str(msg.get("text") or "")))
+                else:
+                    self.streaming = False
+                    await self.call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the call already ended; its reader reports why
+        else:
+            await self.send_json({"type": "error", "code": "INVALID_ARGUMENT",
+                                  "message": f"The page sent an unknown message type {kind!r}."})
+
+    async def _relay(self, call) -> None:
+        try:
+            async for resp in call:
+                if resp.HasField("audio"):
+                    a = resp.audio
+                    await self.send_bytes(CHUNK_HEADER.pack(a.sequence_number, a.sample_rate_hz,
+                                                            float(a.first_sample)) + a.audio)
+                else:
+                    report = json_format.MessageToDict(resp.report, preserving_proto_field_name=True,
+                                                       always_print_fields_with_no_presence=True)
+                    await self.send_json({"type": "report", "report": report})
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                await self.send_json({"type": "error", "code": exc.code().name,
+                                      "message": plain_error(exc.code(), exc.details()),
+                                      "detail": exc.details() or ""})
+        except ConnectionResetError:
+            call.cancel()
+        finally:
+            self.streaming = False
+
+    async def stop(self) -> None:
+        """Cancel the call in flight, if any, and wait until its relay has ended."""
+        if self.call is not None:
+            self.call.cancel()
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is being torn down
+                pass
+        self.call, self.task, self.streaming = None, None, False
+
+
+class WebDemo:
+    """aiohttp app serving the page, /api/voices, /api/status and the /ws relay."""
+
+    def __init__(self, grpc_target: str):
+        self.grpc_target = grpc_target
+        self.channel: grpc.aio.Channel | None = None
+        self.sessions: set[_Session] = set()
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def _stub(self) -> tts_pb2_grpc.TextToSpeechStub:
+        if self.channel is None:
+            self.channel = grpc.aio.insecure_channel(self.grpc_target)
+        return tts_pb2_grpc.TextToSpeechStub(self.channel)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/", self.index)
+        app.router.add_get("/api/voices", self.voices)
+        app.router.add_get("/api/status", self.status)
+        app.router.add_get("/ws", self.websocket)
+        app.router.add_static("/static/", STATIC_DIR, follow_symlinks=False)
+        app.on_shutdown.append(self._close_sockets)
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind host:port (0 picks a free one) and return the bound port."""
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self.port
+
+    async def stop(self) -> None:
+        """Close every socket (cancelling its call) and the HTTP server."""
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.channel is not None:
+            await self.channel.close()
+
+    async def _close_sockets(self, _app) -> None:
+        for session in list(self.sessions):
+            await session.stop()
+            await session.ws.close(code=1001, message=b"server shutting down")
+
+    async def index(self, _request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def voices(self, _request: web.Request) -> web.Response:
+        try:
+            reply = await self._stub().ListVoices(pb.ListVoicesRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return web.json_response({"error": plain_error(exc.code(), exc.details()),
+                                      "code": exc.code().name}, status=503)
+        return web.json_response({"voices": [
+            {"name": v.name, "language_codes": list(v.language_codes),
+             "sample_rate_hz": v.sample_rate_hz, "description": v.description,
+             "is_default": v.is_default} for v in reply.voices]})
+
+    async def status(self, _request: web.Request) -> web.Response:
+        """Open sockets and calls this relay has in flight."""
+        return web.json_response({"sockets": len(self.sessions),
+                                  "calls_in_flight": sum(s.busy for s in self.sessions)})
+
+    async def websocket(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=1 << 20)
+        await ws.prepare(request)
+        session = _Session(ws, self._stub())
+        self.sessions.add(session)
+        try:
+            async for frame in ws:
+                if frame.type != WSMsgType.TEXT:
+                    continue
+                try:
+                    msg = json.loads(frame.data)
+                    if not isinstance(msg, dict):
+                        raise ValueError("not an object")
+                except ValueError:
+                    await session.send_json({"type": "error", "code": "INVALID_ARGUMENT",
+                                             "message": "The page sent a message that is not JSON."})
+                    continue
+                await session.handle(msg)
+        finally:
+            await session.stop()  # a closed tab cancels its synthesis downstream
+            self.sessions.discard(session)
+        return ws
+
+
+def loopback_target(host: str, port: int) -> str:
+    """Address of our own gRPC port as a local client reaches it."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -1,0 +1,52 @@
+"""The vocoder batcher: one job per stream per forward, a frame budget, cancelled jobs dropped."""
+
+import asyncio
+
+import numpy as np
+
+from vocoder_service.batcher import Batcher
+from vocoder_service.stream import ChunkPolicy, VocoderStream
+
+
+class RecordingBackend:
+    """A stand-in generator that records batch shapes (the batching policy is under test)."""
+
+    hop_size, num_mels, name, device = 4, 80, "recording", "cpu"
+
+    def __init__(self):
+        self.batches = []
+
+    def run(self, mel):
+        self.batches.append(mel.shape)
+        return np.zeros((mel.shape[0], mel.shape[2] * self.hop_size), np.float32)
+
+
+def stream_with_jobs(config, frames: int):
+    s = VocoderStream(config, policy=ChunkPolicy(first_chunk_frames=8, growth=1.0, max_chunk_frames=8))
+    s.push_mel(np.zeros((80, frames), np.float32))
+    s.flush()
+    return s, s.ready()
+
+
+def test_fair_batches_and_frame_budget():
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    async def main():
+        backend, sizes = RecordingBackend(), []
+        batcher = Batcher(backend, max_batch_frames=100, on_batch=lambda n, s: sizes.append(n))
+        batcher.start()
+        long_stream, long_jobs = stream_with_jobs(config, 80)   # ten jobs of one stream
+        short_stream, short_jobs = stream_with_jobs(config, 8)  # one job
+        futures = [batcher.submit(j) for j in long_jobs] + [batcher.submit(short_jobs[0])]
+        futures[5].cancel()
+        await asyncio.gather(*[f for i, f in enumerate(futures) if i != 5])
+        await batcher.close()
+        return sizes, backend.batches, len(long_jobs)
+
+    sizes, shapes, n_long = asyncio.run(main())
+    assert sizes[0] == 2  # the short stream's job rides along in the first forward
+    assert all(n == 1 for n in sizes[1:])  # then one job of the long stream per forward
+    assert sum(sizes) == n_long + 1 - 1  # the cancelled job never ran
+    assert sum(b[0] for b in shapes) == sum(sizes)
