@@ -35,18 +35,20 @@ def test_fair_batches_and_frame_budget():
 
     async def main():
         backend, sizes = RecordingBackend(), []
-        batcher = Batcher(backend, max_batch_frames=100, on_batch=lambda n, s: sizes.append(n))
+        batcher = Batcher(backend, max_batch_frames=25, on_batch=lambda n, s: sizes.append(n))
         batcher.start()
         long_stream, long_jobs = stream_with_jobs(config, 80)   # ten jobs of one stream
         short_stream, short_jobs = stream_with_jobs(config, 8)  # one job
-        futures = [batcher.submit(j) for j in long_jobs] + [batcher.submit(short_jobs[0])]
+        futures = [batcher.submit(j) for j in long_jobs]
+        await asyncio.sleep(0)  # the long stream's first forward starts
+        futures.append(batcher.submit(short_jobs[0]))
         futures[5].cancel()
         await asyncio.gather(*[f for i, f in enumerate(futures) if i != 5])
         await batcher.close()
         return sizes, backend.batches, len(long_jobs)
 
     sizes, shapes, n_long = asyncio.run(main())
-    assert sizes[0] == 2  # the short stream's job rides along in the first forward
-    assert all(n == 1 for n in sizes[1:])  # then one job of the long stream per forward
+    assert all(n == 1 for n in sizes)  # a 25-frame budget: one window per forward
+    assert shapes[1][2] == 8  # the late stream's first job jumps the long stream's backlog
     assert sum(sizes) == n_long + 1 - 1  # the cancelled job never ran
     assert sum(b[0] for b in shapes) == sum(sizes)

@@ -33,7 +33,7 @@ class _Pending:
 class Batcher:
     """Collects jobs while a forward runs; the next forward takes everything collected."""
 
-    def __init__(self, backend: Backend, max_batch: int = 32, max_batch_frames: int = 1024,
+    def __init__(self, backend: Backend, max_batch: int = 32, max_batch_frames: int = 256,
                  on_batch=None):
         self.backend = backend
         self.max_batch = max_batch
@@ -62,9 +62,10 @@ class Batcher:
 
     def _take(self, live: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
         """One job per stream per forward, up to a frame budget: a long stream's backlog
-        never holds up the others for more than one of its own chunks."""
+        never holds up the others for more than one of its own chunks. Streams' first jobs go
+        first: they are small and they decide time to first audio."""
         batch, rest, streams, frames = [], [], set(), 0
-        for p in live:
+        for p in sorted(live, key=lambda p: p.job.index > 0):  # stable: arrival order otherwise
             stream = id(p.job.stream)
             fits = frames + p.job.window_frames <= self.max_batch_frames or not batch
             if stream in streams or len(batch) >= self.max_batch or not fits:
@@ -73,6 +74,7 @@ class Batcher:
             batch.append(p)
             streams.add(stream)
             frames += p.job.window_frames
+        rest.sort(key=lambda p: p.submitted)
         return batch, rest
 
     async def _run(self) -> None:
