@@ -137,14 +137,19 @@ def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False)
 
 
 class OnnxBackend(Backend):
-    """ONNX Runtime over an export cached by checkpoint and config; CUDA in fp16 when present."""
+    """ONNX Runtime over an export cached by checkpoint and config; CUDA in fp16 when present.
+
+    `use_cuda` / `fp16`: None picks CUDA (then fp16) when onnxruntime has its CUDA provider;
+    `intra_op_threads` 0 is ORT's default (all cores); `cache_dir` overrides `default_cache_dir()`.
+    `exported` tells whether this instance wrote the model (False: it came from the cache).
+    """
 
     name = "onnxruntime"
 
     def __init__(self, checkpoint: GeneratorCheckpoint | str | Path | None = None, *,
                  cache_dir: str | Path | None = None, use_cuda: bool | None = None,
                  fp16: bool | None = None, intra_op_threads: int = 0,
-                 graph_optimization: str = "all"):
+                 graph_optimization: str = "all", allow_spinning: bool = True):
         import onnxruntime as ort
 
         if not isinstance(checkpoint, GeneratorCheckpoint):
@@ -181,6 +186,8 @@ class OnnxBackend(Backend):
         opts.intra_op_num_threads = intra_op_threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # spinning workers cut latency on dedicated cores but steal time on shared ones
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         providers: list = ["CPUExecutionProvider"]
         if self.use_cuda:
             providers.insert(0, ("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"}))

@@ -1,0 +1,114 @@
+"""Torch and ONNX Runtime backends: agreement, export cache, batching."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vocoder_service.backends import (OnnxBackend, TorchBackend, create_backend, default_cache_dir)
+from vocoder_service.checkpoint import pretrained_checkpoint, resolve_checkpoint
+from vocoder_service.hifigan import Generator, HifiGanConfig
+
+TINY = dict(resblock="2", upsample_rates=[8, 8, 4], upsample_kernel_sizes=[16, 16, 8],
+            upsample_initial_channel=32, resblock_kernel_sizes=[3, 5, 7],
+            resblock_dilation_sizes=[[1, 2], [2, 6], [3, 12]])
+
+
+@pytest.fixture(scope="session")
+def onnx_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("onnx-cache")
+
+
+@pytest.fixture(scope="session")
+def ort_backend(onnx_cache) -> OnnxBackend:
+    return OnnxBackend(cache_dir=onnx_cache, intra_op_threads=1)  # the machine is shared
+
+
+@pytest.fixture(scope="module")
+def torch_backend() -> TorchBackend:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared: two busy OpenMP threads run slower than one
+    yield TorchBackend()
+    torch.set_num_threads(before)
+
+
+def _mel(batch: int, frames: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # smooth in time like real log-mel, around speech levels
+    noise = rng.normal(0, 1.5, (batch, 80, frames + 2))
+    return (noise[..., :-2] + noise[..., 1:-1] + noise[..., 2:]) / 3 - 5.0
+
+
+def test_ort_matches_torch(ort_backend, torch_backend):
+    mel = _mel(2, 40).astype(np.float32)
+    a, b = ort_backend.run(mel), torch_backend.run(mel)
+    assert a.shape == b.shape == (2, 40 * 256) and a.dtype == b.dtype == np.float32
+    assert np.abs(a - b).max() <= 1e-3
+    assert np.abs(a).max() > 1e-3  # not trivially silent
+    assert ort_backend.exported and ort_backend.device == "CPUExecutionProvider"
+
+
+def test_export_is_cached_by_checkpoint(ort_backend, onnx_cache):
+    mtime = ort_backend.model_path.stat().st_mtime_ns
+    again = OnnxBackend(cache_dir=onnx_cache, intra_op_threads=1)
+    assert not again.exported and again.model_path == ort_backend.model_path
+    assert again.model_path.stat().st_mtime_ns == mtime
+    mel = _mel(1, 9, seed=3).astype(np.float32)
+    np.testing.assert_array_equal(again.run(mel), ort_backend.run(mel))
+    other = OnnxBackend(pretrained_checkpoint("LJSpeech"), cache_dir=onnx_cache)
+    assert other.exported and other.model_path != ort_backend.model_path
+    assert sorted(p.name for p in onnx_cache.iterdir()) == sorted(
+        [ort_backend.model_path.name, other.model_path.name])
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPLITTTS_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "onnx"
+    monkeypatch.delenv("SPLITTTS_CACHE")
+    assert str(default_cache_dir()).endswith(".cache/split-tts/onnx")
+
+
+@pytest.mark.parametrize("which", ["ort", "torch"])
+def test_batched_equals_unbatched(which, ort_backend, torch_backend):
+    backend = ort_backend if which == "ort" else torch_backend
+    mel = _mel(3, 17, seed=1).astype(np.float32)
+    batched = backend.run(torch.from_numpy(mel) if which == "torch" else mel)
+    for i in range(3):
+        np.testing.assert_allclose(batched[i], backend.run(mel[i:i + 1])[0], atol=1e-5, rtol=0)
+
+
+def test_bad_input_shape_raises(ort_backend, torch_backend):
+    for backend in (ort_backend, torch_backend):
+        with pytest.raises(ValueError, match="mel must be"):
+            backend.run(np.zeros((1, 79, 10), np.float32))
+        with pytest.raises(ValueError, match="mel must be"):
+            backend.run(np.zeros((80, 10), np.float32))
+
+
+def test_fp16_paths_track_fp32(tmp_path):
+    torch.manual_seed(0)
+    generator = Generator(HifiGanConfig.from_dict(TINY))
+    torch.save({"generator": generator.state_dict()}, tmp_path / "g_00000001")
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    ckpt = resolve_checkpoint(tmp_path)
+    mel = _mel(1, 6, seed=2).astype(np.float32)
+    ref = TorchBackend(ckpt).run(mel)
+    half = TorchBackend(ckpt, fp16=True)
+    assert half.dtype == torch.float16
+    np.testing.assert_allclose(half.run(mel), ref, atol=2e-2, rtol=0)
+    ort16 = OnnxBackend(ckpt, cache_dir=tmp_path / "cache", fp16=True, use_cuda=False)
+    assert ort16.model_path.name.endswith("-fp16.onnx")
+    out = ort16.run(mel)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=0)
+
+
+def test_create_backend(onnx_cache, ort_backend):
+    assert isinstance(create_backend("torch", device="cpu"), TorchBackend)
+    backend = create_backend("onnxruntime", device="cpu", cache_dir=onnx_cache)
+    assert isinstance(backend, OnnxBackend) and not backend.exported and not backend.fp16
+    with pytest.raises(ValueError, match="backend must be"):
+        create_backend("tensorrt")
+    with pytest.raises(ValueError, match="no CUDAExecutionProvider"):
+        OnnxBackend(cache_dir=onnx_cache, use_cuda=True)

@@ -1,0 +1,299 @@
+"""Per-stream chunker: streamed audio equals offline synthesis; token decoder; voices."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vocoder_service.backends import TorchBackend
+from vocoder_service.mel import MelSpectrogram
+from vocoder_service.stream import ChunkPolicy, VocoderStream, vocode_jobs
+from vocoder_service.token_decoder import (ConvLayer, TokenDecoder, TokenDecoderConfig, load_token_decoder,
+                                           save_token_decoder)
+from vocoder_service.voice import load_voice
+
+HOP = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the machine is shared: two OpenMP threads on two busy cores run several times slower
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def backend() -> TorchBackend:
+    return TorchBackend()
+
+
+@pytest.fixture(scope="module")
+def mel(backend) -> np.ndarray:
+    """60 frames of log-mel of a voiced harmonic sweep."""
+    sr = 22050
+    t = np.arange(60 * HOP) / sr
+    f0 = 110 + 80 * t
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    audio = sum(np.sin(k * phase) / k for k in range(1, 30)) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
+    return MelSpectrogram(backend.config)(0.2 * audio / np.abs(audio).max())[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def decoder() -> TokenDecoder:
+    """Random decoder: 2 frames per token, 2 tokens of lookahead, 2 of left context."""
+    torch.manual_seed(0)
+    config = TokenDecoderConfig(codebook_size=64, frames_per_token=2, channels=32,
+                                layers=(ConvLayer(3, 1), ConvLayer(3, 1), ConvLayer(1, 0)))
+    dec = TokenDecoder(config).eval()
+    with torch.no_grad():
+        for p in dec.parameters():
+            p.normal_(0, 0.3)
+        dec.codebook.normal_(-5, 1.5)
+    return dec
+
+
+def snr_db(test: np.ndarray, ref: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((test - ref) ** 2), 1e-30)))
+
+
+def run_stream(stream: VocoderStream, backend, pieces, push) -> list:
+    chunks = []
+    for piece in pieces:
+        push(piece)
+        chunks += stream.step(backend)
+    stream.flush()
+    chunks += stream.step(backend)
+    return chunks
+
+
+def check_contiguous(chunks, total_samples: int) -> np.ndarray:
+    starts = [c.first_sample for c in chunks]
+    assert starts[0] == 0
+    for prev, cur in zip(chunks, chunks[1:]):
+        assert cur.first_sample == prev.first_sample + prev.num_samples  # no gap, no overlap
+    assert [c.sequence_number for c in chunks] == list(range(len(chunks)))
+    assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    audio = np.concatenate([c.audio for c in chunks])
+    assert audio.shape == (total_samples,)
+    return audio
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_streamed_mel_equals_offline(piece, backend, mel):
+    offline = backend.run(mel[None])[0]
+    stream = VocoderStream(backend.config)
+    pieces = [mel[:, i:i + piece] for i in range(0, mel.shape[1], piece)]
+    chunks = run_stream(stream, backend, pieces, stream.push_mel)
+    audio = check_contiguous(chunks, mel.shape[1] * HOP)
+    assert snr_db(audio, offline) >= 40
+    assert stream.done and stream.samples_emitted == audio.size
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_streamed_tokens_equal_offline(piece, backend, decoder):
+    codes = np.random.default_rng(1).integers(0, 64, 30)
+    offline = backend.run(decoder.decode(codes)[None])[0]
+    stream = VocoderStream(backend.config, token_decoder=decoder)
+    pieces = [codes[i:i + piece] for i in range(0, len(codes), piece)]
+    chunks = run_stream(stream, backend, pieces, stream.push_tokens)
+    audio = check_contiguous(chunks, 60 * HOP)
+    assert snr_db(audio, offline) >= 40
+
+
+def test_too_little_context_is_audible(backend, mel):
+    """Guards the exactness tests: a window 4 frames short of the receptive field is off."""
+    offline = backend.run(mel[None])[0]
+    left, right = backend.receptive_field
+    chunk = backend.run(mel[None, :, 20 - left + 4:40 + right - 4])[0][(left - 4) * HOP:(left + 16) * HOP]
+    assert snr_db(chunk, offline[20 * HOP:40 * HOP]) < 40
+
+
+def test_first_chunk_leaves_before_end_of_stream(backend, mel):
+    stream = VocoderStream(backend.config, policy=ChunkPolicy(first_chunk_frames=8))
+    needed = 8 + backend.receptive_field[1]
+    for i in range(needed - 1):
+        stream.push_mel(mel[:, i:i + 1])
+        assert stream.ready() == []
+    stream.push_mel(mel[:, needed - 1:needed])
+    (job,) = stream.ready()
+    assert (job.first_frame, job.num_frames, job.window_frames) == (0, 8, needed)
+    chunk = stream.complete(job, backend.run(job.mel[None])[0])
+    assert chunk.first_sample == 0 and chunk.num_samples == 8 * HOP and not chunk.last
+    assert not stream.ended
+
+
+def test_first_token_chunk_waits_for_decoder_lookahead(backend, decoder):
+    stream = VocoderStream(backend.config, token_decoder=decoder)
+    # 8 frames + 13 frames of right context = 11 tokens of mel, + 2 tokens of decoder lookahead
+    codes = np.arange(13) % 64
+    stream.push_tokens(codes[:12])
+    assert stream.ready() == []
+    stream.push_tokens(codes[12:])
+    (job,) = stream.ready()
+    assert job.num_frames == 8
+
+
+def test_flush_emits_the_tail(backend, mel):
+    stream = VocoderStream(backend.config)
+    stream.push_mel(mel[:, :30])
+    before = stream.step(backend)
+    # 8 frames go at once; the next job waits for 16 more frames plus right context
+    assert sum(c.num_samples for c in before) == 8 * HOP
+    assert not stream.done
+    stream.flush()
+    tail = stream.step(backend)
+    assert tail and tail[-1].last and stream.done
+    pcm = np.frombuffer(tail[-1].pcm16(), "<i2")
+    np.testing.assert_allclose(pcm / 32767, tail[-1].audio, atol=1 / 32767)
+    check_contiguous(before + tail, 30 * HOP)
+    with pytest.raises(ValueError, match="flushed"):
+        stream.push_mel(mel[:, :1])
+
+
+def test_policy_grows_to_its_cap(backend, mel):
+    long_mel = np.concatenate([mel] * 3, axis=1)  # 180 frames
+    policy = ChunkPolicy(first_chunk_frames=4, growth=2.0, max_chunk_frames=40)
+    stream = VocoderStream(backend.config, policy=policy)
+    sizes = []
+    for i in range(long_mel.shape[1]):
+        stream.push_mel(long_mel[:, i:i + 1])
+        sizes += [j.num_frames for j in stream.ready()]
+    assert sizes[:5] == [4, 8, 16, 32, 40]
+    assert max(sizes) == 40
+    assert [policy.min_frames(i) for i in range(6)] == [4, 8, 16, 32, 40, 40]
+    with pytest.raises(ValueError):
+        ChunkPolicy(first_chunk_frames=0)
+    with pytest.raises(ValueError):
+        ChunkPolicy(first_chunk_frames=16, max_chunk_frames=8)
+
+
+def test_many_streams_batched_equal_offline(backend, mel):
+    calls = []
+
+    class Counting:
+        hop_size, num_mels = backend.hop_size, backend.num_mels
+
+        def run(self, batch):
+            calls.append(batch.shape[0])
+            return backend.run(batch)
+
+    inputs = [mel, mel[:, 5:50], mel[::-1].copy()]
+    rates = [4, 4, 7]  # frames per step: two streams in step, one faster
+    streams = [VocoderStream(backend.config) for _ in inputs]
+    out = [[] for _ in inputs]
+    step = 0
+    while not all(s.done for s in streams):
+        for s, m, rate in zip(streams, inputs, rates):
+            lo = step * rate
+            if lo < m.shape[1]:
+                s.push_mel(m[:, lo:lo + rate])
+            elif not s.ended:
+                s.flush()
+        jobs = [j for s in streams for j in s.ready()]
+        for job, audio in zip(jobs, vocode_jobs(Counting(), jobs)):
+            out[streams.index(job.stream)].append(job.stream.complete(job, audio))
+        step += 1
+    assert max(calls) > 1  # some forwards served several streams
+    for m, chunks in zip(inputs, out):
+        audio = check_contiguous(chunks, m.shape[1] * HOP)
+        assert snr_db(audio, backend.run(m[None])[0]) >= 40
+
+
+def test_padding_windows_into_one_forward_keeps_samples(backend, mel):
+    calls = []
+
+    class Counting:
+        hop_size, num_mels = backend.hop_size, backend.num_mels
+
+        def run(self, batch):
+            calls.append(batch.shape)
+            return backend.run(batch)
+
+    def stream(first, flush):
+        s = VocoderStream(backend.config, policy=ChunkPolicy(first_chunk_frames=first))
+        s.push_mel(mel)
+        if flush:
+            s.flush()
+        return s
+
+    a, b = stream(8, False), stream(10, False)  # first windows 21 and 23 frames: padded on the right
+    c, d = stream(20, True), stream(16, True)  # second windows 53 and 57 frames: padded on the left
+    later = []
+    for s in (c, d):
+        first_job, second_job = s.ready()
+        s.complete(first_job, backend.run(first_job.mel[None])[0])
+        later.append(second_job)
+    jobs = [a.ready()[0], b.ready()[0], *later]
+    assert [j.window_frames for j in jobs] == [21, 23, 53, 57]
+    assert [(j.pad_left_ok, j.pad_right_ok) for j in jobs[2:]] == [(True, False)] * 2
+    batched = vocode_jobs(Counting(), jobs)
+    assert sorted(calls) == [(2, 80, 23), (2, 80, 57)]
+    for job, audio in zip(jobs, batched):
+        start = (job.first_frame - job.window_start) * HOP
+        alone = backend.run(job.mel[None])[0][start:start + job.num_samples]
+        np.testing.assert_allclose(audio[start:start + job.num_samples], alone, atol=1e-4, rtol=0)
+
+
+def test_stream_rejects_bad_input(backend, decoder, mel):
+    stream = VocoderStream(backend.config)
+    with pytest.raises(ValueError, match=r"\[80, frames\]"):
+        stream.push_mel(np.zeros((3, 80), np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        stream.push_mel(np.full((80, 2), np.nan, np.float32))
+    with pytest.raises(ValueError, match="takes mel frames"):
+        stream.push_tokens([1, 2])
+    token_stream = VocoderStream(backend.config, token_decoder=decoder)
+    with pytest.raises(ValueError, match="outside the codebook"):
+        token_stream.push_tokens([3, 64])
+    stream.push_mel(mel)
+    stream.flush()
+    first, second, *_ = stream.ready()
+    with pytest.raises(ValueError, match="out of order"):
+        stream.complete(second, backend.run(second.mel[None])[0])
+    with pytest.raises(ValueError, match="samples"):
+        stream.complete(first, np.zeros(10, np.float32))
+
+
+def test_token_decoder_roundtrip_and_codebook_only(tmp_path, decoder):
+    save_token_decoder(decoder, tmp_path / "a")
+    saved = json.loads((tmp_path / "a" / "token_decoder.json").read_text())
+    assert (saved["lookahead"], saved["left_context"]) == (2, 2)
+    loaded = load_token_decoder(tmp_path / "a")
+    codes = np.array([0, 5, 63, 7, 7])
+    np.testing.assert_array_equal(loaded.decode(codes), decoder.decode(codes))
+
+    codebook_only = TokenDecoder(TokenDecoderConfig(codebook_size=4, frames_per_token=2))
+    with torch.no_grad():
+        codebook_only.codebook.copy_(torch.arange(4 * 160, dtype=torch.float32).reshape(4, 160))
+    save_token_decoder(codebook_only, tmp_path / "b")
+    cb = load_token_decoder(tmp_path / "b")
+    assert cb.lookahead == cb.left_context == 0
+    mel = cb.decode(np.array([2, 1]))
+    # rows are frame-major: token 2 gives frames 0 and 1, token 1 frames 2 and 3
+    np.testing.assert_array_equal(mel[:, 1], np.arange(2 * 160 + 80, 3 * 160))
+    np.testing.assert_array_equal(mel[:, 2], np.arange(160, 160 + 80))
+
+    bad = dict(saved, lookahead=3)
+    (tmp_path / "a" / "token_decoder.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="lookahead=3"):
+        load_token_decoder(tmp_path / "a")
+    assert load_token_decoder(tmp_path / "missing") is None
+
+
+def test_voice_directory(tmp_path, decoder):
+    voice_dir = tmp_path / "v"
+    save_token_decoder(decoder, voice_dir / "vocoder")
+    (voice_dir / "voice.json").write_text(json.dumps({"name": "test", "sample_rate": 22050, "hop_size": 256}))
+    voice = load_voice(voice_dir)
+    assert voice.name == "test" and voice.codebook_size == 64 and voice.frames_per_token == 2
+    assert voice.generator.path.name == "generator_universal.pth.tar"
+    default = load_voice()
+    assert default.token_decoder is None and default.codebook_size == 0
+    (voice_dir / "voice.json").write_text(json.dumps({"name": "test", "sample_rate": 24000}))
+    with pytest.raises(ValueError, match="sample_rate=24000"):
+        load_voice(voice_dir)
+    with pytest.raises(FileNotFoundError):
+        load_voice(tmp_path / "nowhere")
