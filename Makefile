@@ -6,8 +6,12 @@ SYSPKGS := espeak-ng flite chromium
 
 .PHONY: demo test setup sysdeps protos clean
 
+DEMO_TEXT ?= Streaming speech synthesis turns text into sound while you listen.
+
+# The default voice end to end: text-service, vocoder-service and orchestrator start as local
+# processes, the sentence streams through them into out/demo.wav, then they stop.
 demo: setup
-	$(PY) -m vocoder_service.demo --out out/demo.wav
+	$(PY) -m orchestrator.cli synthesize "$(DEMO_TEXT)" -o out/demo.wav --seed 0
 
 test: setup sysdeps
 	$(PY) -m pytest -q

@@ -50,7 +50,8 @@ class VoiceSpec:
                        sampling=dict(m.get("sampling") or {}),
                        allowed_token_range=tuple(int(x) for x in allowed) if allowed else None,
                        max_tokens=int(m.get("max_tokens", 1200)),
-                       max_tokens_per_char=float(m.get("max_tokens_per_char", 0.0)))
+                       max_tokens_per_char=float(m.get("max_tokens_per_char",
+                                                       m.get("max_tokens_per_phoneme_char", 0.0))))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad or missing field ({exc})") from None
         if "{text}" not in spec.prompt_template:

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
     p.add_argument("--fp16", action="store_true", help="run the generator in fp16 (GPU/NPU)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
+    p.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
+                   help="let ONNX Runtime's idle workers spin (faster on dedicated cores; steals "
+                        "CPU from other services on shared ones)")
     p.add_argument("--first-chunk-frames", type=int, default=8)
     p.add_argument("--chunk-growth", type=float, default=2.0)
     p.add_argument("--max-chunk-frames", type=int, default=128)
@@ -62,7 +65,7 @@ def load(args: argparse.Namespace):
         if key not in by_generator:
             if args.backend == "onnx":
                 by_generator[key] = OnnxBackend(voice.generator, intra_op_threads=args.threads,
-                                                fp16=args.fp16 or None)
+                                                fp16=args.fp16 or None, allow_spinning=args.spin)
             else:
                 by_generator[key] = TorchBackend(voice.generator, fp16=args.fp16,
                                                  device=select_device(args.device))
