@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 import servicekit  # noqa: F401
-from servicekit.logs import configure_logging
+from servicekit.cli import run_service
 from servicekit.server import Service, serve
 
 
@@ -84,14 +83,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        asyncio.run(run(args))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_service("orchestrator", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import sys
 from pathlib import Path
 
 import servicekit  # noqa: F401  (torch backend auto-loading off before torch loads)
-from servicekit.logs import configure_logging
+from servicekit.cli import run_service
 from servicekit.server import Service, serve
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "voices" / "default" / "lm"
@@ -84,14 +83,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        asyncio.run(run(args))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"text-service: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_service("text-service", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -192,3 +192,20 @@ class PagedAttention(nn.Module):
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.*`), shared by the model families."""
+
+    def __init__(self, config, layers: list[nn.Module], norm_offset: float, ops) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=norm_offset, ops=ops)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x

@@ -5,13 +5,13 @@ from torch import Tensor, nn
 import kernels
 from text_service.models.base import CausalLM
 from text_service.models.layers import (
+    DecoderModel,
     GatedMLP,
     Linear,
     MergedLinear,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
     rope_settings,
 )
 
@@ -63,21 +63,6 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, config, ops, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, ops, rotary) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops)
-
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
-
-
 class Qwen3ForCausalLM(CausalLM):
     """Qwen3 dense LM; submodule names follow the HF checkpoint (``Qwen3ForCausalLM``)."""
 
@@ -99,4 +84,6 @@ class Qwen3ForCausalLM(CausalLM):
         head_dim = head_dim_of(config)
         rotary_dim, base = rope_settings(config, head_dim, partial=False)
         rotary = RotaryEmbedding(ops, rotary_dim, max_positions or config.max_position_embeddings, base, device)
-        self.model = Qwen3Model(config, ops, rotary)
+        self.model = DecoderModel(
+            config, [Qwen3DecoderLayer(config, ops, rotary) for _ in range(config.num_hidden_layers)],
+            norm_offset=0.0, ops=ops)

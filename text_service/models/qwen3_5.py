@@ -8,6 +8,7 @@ from text_service.context import get_context
 from text_service.models.base import CausalLM
 from text_service.models.cache import LinearStateSpec
 from text_service.models.layers import (
+    DecoderModel,
     GatedMLP,
     GatedRMSNorm,
     Linear,
@@ -15,7 +16,6 @@ from text_service.models.layers import (
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
     new_parameter,
     rope_settings,
     split_decode_prefill,
@@ -178,23 +178,6 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Qwen3_5Model(nn.Module):
-    def __init__(self, config, ops, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, layer_type, ops, rotary) for layer_type in config.layer_types
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
-
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
-
-
 class Qwen3_5ForCausalLM(CausalLM):
     """Qwen3.5 text LM; submodule names follow the HF checkpoint (``Qwen3_5ForCausalLM``)."""
 
@@ -222,4 +205,6 @@ class Qwen3_5ForCausalLM(CausalLM):
         ops = kernels.get_ops(device)
         rotary_dim, base = rope_settings(config, config.head_dim, partial=True)
         rotary = RotaryEmbedding(ops, rotary_dim, max_positions or config.max_position_embeddings, base, device)
-        self.model = Qwen3_5Model(config, ops, rotary)
+        self.model = DecoderModel(
+            config, [Qwen3_5DecoderLayer(config, layer_type, ops, rotary) for layer_type in config.layer_types],
+            norm_offset=1.0, ops=ops)
