@@ -1,0 +1,1 @@
+"""Recipe that trains the default voice (speech LM + token decoder) from offline teachers."""

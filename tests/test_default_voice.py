@@ -1,0 +1,144 @@
+"""The shipped default voice: both services load it and its manifest agrees with its files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+VOICE = Path(__file__).resolve().parents[1] / "voices" / "default"
+SAMPLE_PHONEMES = "h@l'oU w'3:ld\nIts f'o@t#i t'u: dI#gr'i:z t@d'eI"
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict:
+    return json.loads((VOICE / "voice.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(VOICE / "lm" / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(VOICE / "lm").eval()
+
+
+def test_bundle_files_and_size():
+    for rel in ("voice.json", "README.md", "lm/config.json", "lm/model.safetensors", "lm/tokenizer.json",
+                "vocoder/token_decoder.json", "vocoder/token_decoder.safetensors"):
+        assert (VOICE / rel).is_file(), rel
+    size = sum(p.stat().st_size for p in VOICE.rglob("*") if p.is_file())
+    assert size <= 40 * 1024 * 1024
+
+
+def test_lm_is_hybrid_qwen3_5(hf_model):
+    config = hf_model.config
+    assert config.model_type == "qwen3_5_text"
+    assert {"full_attention", "linear_attention"} <= set(config.layer_types)
+
+
+def test_manifest_matches_tokenizer_and_codebook(manifest, tokenizer, hf_model):
+    from vocoder_service.voice import load_voice
+
+    lo, hi = manifest["speech_token_range"]
+    voice = load_voice(VOICE)
+    assert voice.codebook_size == hi - lo + 1
+    assert voice.frames_per_token == manifest["frames_per_token"]
+    assert manifest["sample_rate"] == voice.config.sampling_rate and manifest["hop_size"] == voice.config.hop_size
+    assert manifest["token_rate"] == pytest.approx(
+        voice.config.sampling_rate / voice.config.hop_size / voice.frames_per_token, abs=0.01)
+    assert tokenizer.id_to_token(lo) == "<|s_0|>" and tokenizer.id_to_token(hi) == f"<|s_{hi - lo}|>"
+    assert tokenizer.id_to_token(manifest["end_token_id"]) == "<|eos|>"
+    assert hf_model.config.eos_token_id == manifest["end_token_id"]
+    assert hf_model.config.vocab_size > hi
+    a_lo, a_hi = manifest["allowed_token_range"]
+    assert a_lo <= lo and a_hi >= hi
+    assert set(manifest["text_frontend"]) == set(manifest["languages"])
+
+
+def test_prompt_template_tokenizes_to_specials_and_characters(manifest, tokenizer):
+    ids = tokenizer.encode(manifest["prompt_template"].replace("{text}", "h@l'oU"), add_special_tokens=False).ids
+    assert tokenizer.id_to_token(ids[0]) == "<|bos|>" and tokenizer.id_to_token(ids[-1]) == "<|sep|>"
+    assert [tokenizer.id_to_token(i) for i in ids[1:-1]] == list("h@l'oU")
+    assert tokenizer.token_to_id("<|unk|>") not in ids
+
+
+def test_tokenizer_reads_both_front_end_layouts(tokenizer):
+    # espeak-ng's own clause lines and the orchestrator's "clause, clause." layout give the same ids
+    joined = "h@l'oU w'3:ld, Its f'o@t#i t'u: dI#gr'i:z t@d'eI."
+    assert tokenizer.encode(joined).ids == tokenizer.encode(SAMPLE_PHONEMES + "\n").ids
+    assert tokenizer.encode("w,aI d'Id").tokens[:3] == ["w", ",", "a"]  # secondary stress survives
+    assert tokenizer.encode("t'u: dI").tokens[2:5] == ["u", ":", " "]  # and so does vowel length
+
+
+def test_lm_in_the_text_service_matches_hf(manifest, tokenizer, hf_model):
+    from hf_models import hf_logits
+    from test_model_parity import StepHarness
+
+    from text_service.loader import load_model
+
+    model = load_model(VOICE / "lm", device="cpu", dtype=torch.float32)
+    prompt = tokenizer.encode(manifest["prompt_template"].replace("{text}", SAMPLE_PHONEMES)).ids
+    harness = StepHarness(model, block_size=16, num_blocks=32)
+    (logits,) = harness.step([("a", prompt)])
+    ref = hf_logits(hf_model, prompt)
+    assert (logits - ref).abs().max().item() < 1e-3
+    # a few greedy decode steps through the paged cache follow HF's full forward
+    seq = list(prompt)
+    for _ in range(6):
+        seq.append(int(logits[-1].argmax()))
+        (logits,) = harness.step([("a", seq[-1:])])
+    assert (logits[-1] - hf_logits(hf_model, seq)[-1]).abs().max().item() < 1e-3
+
+
+def test_seeded_generation_is_reproducible_and_speaks(manifest, tokenizer, hf_model):
+    prompt = manifest["prompt_template"].replace("{text}", SAMPLE_PHONEMES)
+    ids = torch.tensor([tokenizer.encode(prompt).ids])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                                do_sample=True, temperature=0.7, top_k=50,
+                                eos_token_id=manifest["end_token_id"], pad_token_id=0)
+        runs.append(out[0, ids.shape[1]:].tolist())
+    assert runs[0] == runs[1]
+    lo, hi = manifest["speech_token_range"]
+    assert sum(lo <= t <= hi for t in runs[0]) >= 10  # mostly speech tokens, not text
+
+
+def test_token_decoder_turns_codes_into_mel(manifest):
+    from vocoder_service.voice import load_voice
+
+    voice = load_voice(VOICE)
+    decoder = voice.token_decoder
+    assert decoder is not None and 0 < decoder.lookahead <= 8
+    codes = np.arange(12) * 37 % voice.codebook_size
+    mel = decoder.decode(codes)
+    assert mel.shape == (80, 12 * voice.frames_per_token)
+    assert np.isfinite(mel).all() and -12 < mel.mean() < 3
+    with pytest.raises(ValueError):
+        decoder.decode(np.array([voice.codebook_size]))
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng missing (make test installs it)")
+def test_orchestrator_front_end_output_tokenizes_without_unknowns(manifest, tokenizer):
+    from orchestrator.frontend.g2p import build_g2p
+
+    for lang, text in (("en-US", "Hello world, it is a test."), ("cmn-CN", "你好，今天天气很好。")):
+        g2p = build_g2p(manifest["text_frontend"][lang], lang)
+        try:
+            phonemes = g2p(text)
+        finally:
+            g2p.close()
+        ids = tokenizer.encode(manifest["prompt_template"].replace("{text}", phonemes)).ids
+        assert tokenizer.token_to_id("<|unk|>") not in ids and len(ids) > 5
