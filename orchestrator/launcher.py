@@ -79,7 +79,9 @@ class LocalDeployment:
                  http_port: int = -1):
         self.voice_dir = Path(voice_dir)
         self.http_port = http_port  # the orchestrator's web demo: 0 picks a free port, -1 is off
-        self.threads = threads or {}
+        # One intra-op thread each by default: on a small CPU host the services share the cores,
+        # and oversubscribed OpenMP / ORT pools stall each other (and the event loops).
+        self.threads = threads if threads is not None else {"text": 1, "vocoder": 1}
         self.ports, self.metrics_ports, self.host, self.quiet = ports, metrics_ports, host, quiet
         self.text_args, self.vocoder_args = text_args or [], vocoder_args or []
         self.cpus = cpus or {}
