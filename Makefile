@@ -6,7 +6,7 @@ SYSPKGS := espeak-ng flite chromium
 
 .PHONY: demo test setup sysdeps protos clean
 
-DEMO_TEXT ?= Streaming speech synthesis turns text into sound while you listen.
+DEMO_TEXT ?= Hello, this is split-tts speaking. The weather today is cool and bright.
 
 # The default voice end to end: text-service, vocoder-service and orchestrator start as local
 # processes, the sentence streams through them into out/demo.wav, then they stop.
