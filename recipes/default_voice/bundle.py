@@ -152,7 +152,8 @@ def voice_card(cfg: RecipeConfig, lm_params: float, lm_step: int | None = None) 
     rows = _read_json(report_path, {}).get("rows", [])
     report_n = " and ".join(f"{r['n']} ({r['lang']})" for r in rows if r["system"] == "voice") or "-"
     history_rows = "".join(f"| {h['minutes']:.0f} | {h['step']} | {h['val_loss']:.3f} | {h['val_acc']:.1%} | "
-                           f"{h['cer']:.1%} | {h['stop']:.0%} | {h['dur']:.2f} |\n" for h in history)
+                           f"{h.get('free_n', 6)} | {h['cer']:.1%} | {h['stop']:.0%} | {h['dur']:.2f} |\n"
+                           for h in history)
     if lm_step is not None:
         history = [h for h in history if h["step"] == lm_step]
     best = min(history, key=lambda h: h["score"]) if history else None
@@ -198,10 +199,11 @@ cosine schedule over {cfg.lm_minutes:.0f} minutes of training time on one CPU th
 sentences are held back as the validation slice that picks the checkpoint (greedy free-running
 phoneme-copy error plus stop and duration errors).
 
-Validation history (free-running greedy on 6 sentences; `cer` = phoneme-copy error):
+Validation history (teacher-forced loss and speech-token accuracy on 60 sentences; free-running
+greedy generation on n sentences for the copy error, stops and duration ratio):
 
-| minutes | step | held-out loss | token accuracy | copy error | stopped | duration ratio |
-|---|---|---|---|---|---|---|
+| minutes | step | held-out loss | token accuracy | n | copy error | stopped | duration ratio |
+|---|---|---|---|---|---|---|---|
 {history_rows}
 
 ## Evaluation (held-out sentences)

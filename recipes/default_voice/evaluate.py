@@ -96,7 +96,7 @@ def teacher_rows(cfg: RecipeConfig, lang: str, utts: list, codes: list, decoder,
 
 
 def evaluate(cfg: RecipeConfig, lm_dir: Path | None = None, temperature: float | None = None, top_k: int = 50,
-             n_audio_en: int = 50, n_audio_zh: int = 20, tag: str = "", teacher_only: bool = False) -> dict:
+             n_audio_en: int = 150, n_audio_zh: int = 20, tag: str = "", teacher_only: bool = False) -> dict:
     """Score the LM in `lm_dir` (default: the best training checkpoint) and write `eval/`."""
     from transformers import AutoModelForCausalLM
     from transformers import logging as hf_logging
