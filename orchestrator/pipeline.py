@@ -75,12 +75,12 @@ class VocodeSession:
         self.replica: Replica | None = None
         self.call = None
         self.sent_at: list[float] = []
-        self._lease = None
+        self._counted = False  # whether this session is counted in replica.in_flight
 
     async def open(self) -> None:
         self.replica = await pick_ready(self.pool)
-        self._lease = self.pool.lease(self.replica)
-        self._lease.__enter__()
+        self.replica.in_flight += 1
+        self._counted = True
         stub = vocoder_pb2_grpc.VocoderStub(self.replica.channel)
         self.call = stub.Vocode(metadata=child_traceparent(self.trace_id))
         await self.write(vocoder_pb2.VocodeRequest(config=vocoder_pb2.VocodeConfig(
@@ -98,9 +98,9 @@ class VocodeSession:
     def close(self) -> None:
         if self.call is not None and not self.call.done():
             self.call.cancel()
-        if self._lease is not None:
-            self._lease.__exit__(None, None, None)
-            self._lease = None
+        if self._counted:
+            self.replica.in_flight -= 1
+            self._counted = False
 
 
 async def pick_ready(pool: ReplicaPool) -> Replica:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import uuid
 from typing import AsyncIterator
@@ -15,7 +14,7 @@ from orchestrator.latency import LatencyTracker
 from orchestrator.pipeline import Pipeline, SynthesisRequest
 from orchestrator.voices import VoiceSpec
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted, StatusError
-from servicekit.logs import log_event
+from servicekit.logs import log_event, trace_id
 from splittts.tts.v1 import tts_pb2 as pb
 from splittts.tts.v1 import tts_pb2_grpc
 
@@ -23,17 +22,6 @@ log = logging.getLogger(__name__)
 
 MAX_TEXT_CHARS = 5000
 MAX_STREAMING_TEXT_CHARS = 20000
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
-
-
-def trace_id_from(context) -> str:
-    """The caller's W3C trace id when it sent a valid traceparent, else a new one."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent":
-            m = _TRACEPARENT.match(value.strip().lower())
-            if m and m.group(1) != "0" * 32:
-                return m.group(1)
-    return secrets.token_hex(16)
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
@@ -83,7 +71,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                                 language=language, encoding=fmt.encoding,
                                 sample_rate_hz=fmt.output_rate if audio_config.sample_rate_hz else 0,
                                 speaking_rate=fmt.speaking_rate, sampling=params,
-                                trace_id=trace_id_from(context))
+                                trace_id=trace_id(context) or secrets.token_hex(16))
 
     def _admit(self) -> None:
         if self.in_flight >= self.max_in_flight:

@@ -34,11 +34,6 @@ class VocoderLimits:
     max_stream_frames: int = 22050 * 600 // 256  # ten minutes of audio
 
 
-def to_pcm16(audio: np.ndarray) -> bytes:
-    """float [-1, 1] -> little-endian int16 bytes."""
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     """Vocode: config first, then token or mel chunks, then end of stream; audio as it is ready."""
 
@@ -120,7 +115,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 summary.compute_ms += result.compute_ms
                 summary.num_chunks += 1
                 yield pb.VocodeResponse(
-                    audio=pb.AudioChunk(pcm=to_pcm16(chunk.audio),
+                    audio=pb.AudioChunk(pcm=chunk.pcm16(),
                                         sample_rate_hz=voice.config.sampling_rate,
                                         first_sample=chunk.first_sample,
                                         num_samples=chunk.num_samples,

@@ -194,6 +194,21 @@ class PagedAttention(nn.Module):
         return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """Norm, token mixer (attention of some kind), norm, MLP, with the residual carried along."""
+
+    def mix(self, positions: Tensor, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.mix(positions, x), residual)
+        return self.mlp(x), residual
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.*`), shared by the model families."""
 

@@ -6,6 +6,7 @@ import kernels
 from text_service.models.base import CausalLM
 from text_service.models.layers import (
     DecoderModel,
+    PreNormDecoderLayer,
     GatedMLP,
     Linear,
     MergedLinear,
@@ -45,7 +46,7 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, ops, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, ops, rotary)
@@ -53,14 +54,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops)
 
-    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def mix(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.self_attn(positions, x)
 
 
 class Qwen3ForCausalLM(CausalLM):

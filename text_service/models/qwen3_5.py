@@ -9,6 +9,7 @@ from text_service.models.base import CausalLM
 from text_service.models.cache import LinearStateSpec
 from text_service.models.layers import (
     DecoderModel,
+    PreNormDecoderLayer,
     GatedMLP,
     GatedRMSNorm,
     Linear,
@@ -156,7 +157,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, self.value_dim))
 
 
-class Qwen3_5DecoderLayer(nn.Module):
+class Qwen3_5DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_type: str, ops, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
@@ -168,14 +169,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
 
-    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.linear_attn(positions, x) if self.is_linear else self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def mix(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.linear_attn(positions, x) if self.is_linear else self.self_attn(positions, x)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
