@@ -39,13 +39,19 @@ def synthesize(address: str, text: str, seed: int, language: str = "", temperatu
     return audio, responses[-1].report
 
 
+def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref ** 2) / max(np.sum((ref - test) ** 2), 1e-20)))
+
+
 def test_seeded_synthesis_is_reproducible(deployment):
     a, report = synthesize(deployment.address, SENTENCE, seed=11, temperature=0.8)
     b, _ = synthesize(deployment.address, SENTENCE, seed=11, temperature=0.8)
     c, _ = synthesize(deployment.address, SENTENCE, seed=12, temperature=0.8)
     assert report.audio_s > 1.0 and report.num_speech_tokens > 40
-    assert np.array_equal(a, b)
-    assert not np.array_equal(a, c)
+    # Same seed, same tokens; chunk boundaries follow token arrival times, so the vocoder's
+    # windows (and float rounding) may differ by a last bit: compare as audio, not bytes.
+    assert len(a) == len(b) and snr_db(a, b) >= 60.0
+    assert len(a) != len(c) or snr_db(a, c) < 20.0
 
 
 def test_stream_equals_offline_vocoding(deployment):
