@@ -103,6 +103,19 @@ class VocodeSession:
             self._counted = False
 
 
+async def _coalesced(queue: asyncio.Queue):
+    """The next item of a segment's token queue, with every token list queued behind it merged
+    in: when the model runs ahead of the vocoder, one message carries the backlog instead of one
+    message per decode step."""
+    item = await queue.get()
+    if not isinstance(item, list):
+        return item
+    item = list(item)
+    while not queue.empty() and isinstance(queue._queue[0], list):  # noqa: SLF001 - peek
+        item.extend(queue.get_nowait())
+    return item
+
+
 async def pick_ready(pool: ReplicaPool) -> Replica:
     """A replica whose connection is up; others are health-checked first and skipped if down."""
     tried: tuple[Replica, ...] = ()
@@ -200,7 +213,7 @@ class Pipeline:
             while (seg := await ready.get()) is not None:
                 if isinstance(seg, BaseException):
                     raise seg
-                while (ids := await seg.tokens.get()) is not None:
+                while (ids := await _coalesced(seg.tokens)) is not None:
                     if isinstance(ids, BaseException):
                         raise ids
                     tracker.num_speech_tokens += len(ids)

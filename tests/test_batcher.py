@@ -52,3 +52,28 @@ def test_fair_batches_and_frame_budget():
     assert shapes[1][2] == 8  # the late stream's first job jumps the long stream's backlog
     assert sum(sizes) == n_long + 1 - 1  # the cancelled job never ran
     assert sum(b[0] for b in shapes) == sum(sizes)
+
+
+def test_first_jobs_get_forwards_of_their_own():
+    """A stream's first chunk decides time to first audio: while one waits, no forward carries
+    other streams' later chunks (a forward cannot be interrupted once it runs)."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    async def main():
+        backend, batches = RecordingBackend(), []
+        batcher = Batcher(backend, max_batch_frames=1000)
+        batcher.start()
+        busy = [stream_with_jobs(config, 40) for _ in range(2)]  # two streams with backlogs
+        futures = [batcher.submit(j) for _, jobs in busy for j in jobs[1:]]  # later chunks
+        new = [stream_with_jobs(config, 8)[1][0] for _ in range(2)]  # two first chunks
+        futures += [batcher.submit(j) for j in new]
+        taken, rest = batcher._take(list(batcher._pending))
+        batches.append({p.job.index for p in taken})
+        await asyncio.gather(*futures)
+        await batcher.close()
+        return taken, batches
+
+    taken, batches = asyncio.run(main())
+    assert batches[0] == {0} and len(taken) == 2  # both first chunks, nothing else

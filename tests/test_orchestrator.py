@@ -329,3 +329,18 @@ def test_cli_embedded_pipeline(voice_dir, tmp_path):
     assert sf.info(out).frames > 0
     left = subprocess.run(["pgrep", "-f", str(own)], capture_output=True, text=True)
     assert left.stdout.strip() == ""  # every service it started is gone
+
+
+def test_token_backlog_goes_to_the_vocoder_in_one_message():
+    import asyncio
+
+    from orchestrator.pipeline import _coalesced
+
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+        for item in ([1, 2], [3], [4, 5], None):
+            q.put_nowait(item)
+        first = await _coalesced(q)
+        return first, await _coalesced(q)
+
+    assert asyncio.run(main()) == ([1, 2, 3, 4, 5], None)

@@ -136,6 +136,37 @@ def test_first_token_chunk_waits_for_decoder_lookahead(backend, decoder):
     assert job.num_frames == 8
 
 
+def test_token_decoder_runs_only_when_a_job_can_be_due(backend, decoder):
+    """One token per message must not cost one decoder forward per message."""
+    calls = []
+    forward = decoder.forward
+    decoder.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        codes = np.random.default_rng(2).integers(0, 64, 60)
+        offline = backend.run(decoder.decode(codes)[None])[0]
+        stream = VocoderStream(backend.config, token_decoder=decoder)
+        chunks = run_stream(stream, backend, [codes[i:i + 1] for i in range(60)], stream.push_tokens)
+    finally:
+        del decoder.forward
+    assert len(calls) <= stream._next_job + 1  # one decode per job issued (+ the flush)
+    assert snr_db(check_contiguous(chunks, 120 * HOP), offline) >= 40
+
+
+def test_shared_streams_keep_to_the_shared_cap(backend, mel):
+    policy = ChunkPolicy(first_chunk_frames=4, growth=2.0, max_chunk_frames=64, shared_chunk_frames=12)
+    assert [policy.min_frames(i, shared=True) for i in range(4)] == [4, 8, 12, 12]
+    assert policy.cap(shared=True) == 12 and policy.cap() == 64
+    stream = VocoderStream(backend.config, policy=policy)
+    stream.push_mel(np.concatenate([mel] * 2, axis=1))
+    sizes = [j.num_frames for j in stream.ready(shared=True)]
+    assert sizes[0] == 4 and max(sizes) == 12 == sizes[1]  # a backlog goes in capped jobs
+    assert [j.num_frames for j in stream.ready()] == []  # everything ready was issued
+    stream.push_mel(np.concatenate([mel] * 2, axis=1))
+    assert max(j.num_frames for j in stream.ready()) > 12  # alone again: bigger jobs
+    with pytest.raises(ValueError):
+        ChunkPolicy(shared_chunk_frames=0)
+
+
 def test_flush_emits_the_tail(backend, mel):
     stream = VocoderStream(backend.config)
     stream.push_mel(mel[:, :30])

@@ -33,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPU from other services on shared ones)")
     p.add_argument("--first-chunk-frames", type=int, default=8)
     p.add_argument("--chunk-growth", type=float, default=2.0)
-    p.add_argument("--max-chunk-frames", type=int, default=128)
+    p.add_argument("--max-chunk-frames", type=int, default=128,
+                   help="most new frames in one job while a stream has the generator to itself")
+    p.add_argument("--shared-chunk-frames", type=int, default=32,
+                   help="most new frames in one job while other streams are open")
+    p.add_argument("--max-batch-frames", type=int, default=0,
+                   help="window frames in one forward (0: 64 on CPU, 1024 on accelerators)")
     p.add_argument("--max-streams", type=int, default=64)
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="warning")
@@ -80,8 +85,10 @@ async def run(args: argparse.Namespace) -> None:
     voices, backends = load(args)
     servicer = VocoderServicer(
         voices, backends,
-        policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames),
-        limits=VocoderLimits(max_streams=args.max_streams))
+        policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames,
+                           args.shared_chunk_frames),
+        limits=VocoderLimits(max_streams=args.max_streams),
+        max_batch_frames=args.max_batch_frames or None)
     servicer.start()
 
     def warmup() -> None:

@@ -62,19 +62,20 @@ class Batcher:
 
     def _take(self, live: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
         """One job per stream per forward, up to a frame budget: a long stream's backlog
-        never holds up the others for more than one of its own chunks. Streams' first jobs go
-        first: they are small and they decide time to first audio."""
+        never holds up the others for more than one of its own chunks. Streams' first jobs
+        decide time to first audio, so while any is waiting a forward takes first jobs only."""
+        firsts = any(p.job.index == 0 for p in live)
         batch, rest, streams, frames = [], [], set(), 0
-        for p in sorted(live, key=lambda p: p.job.index > 0):  # stable: arrival order otherwise
+        for p in live:  # arrival order
             stream = id(p.job.stream)
             fits = frames + p.job.window_frames <= self.max_batch_frames or not batch
-            if stream in streams or len(batch) >= self.max_batch or not fits:
+            if ((firsts and p.job.index > 0) or stream in streams or len(batch) >= self.max_batch
+                    or not fits):
                 rest.append(p)
                 continue
             batch.append(p)
             streams.add(stream)
             frames += p.job.window_frames
-        rest.sort(key=lambda p: p.submitted)
         return batch, rest
 
     async def _run(self) -> None:

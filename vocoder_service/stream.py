@@ -28,12 +28,15 @@ class ChunkPolicy:
     """Minimum new frames per job: `first_chunk_frames`, then times `growth`, up to the cap.
 
     After the first job a stream also takes whatever more has become ready, up to the cap, so a
-    backlog is vocoded in fewer, cheaper jobs.
+    backlog is vocoded in fewer, cheaper jobs. While other streams share the generator the cap is
+    `shared_chunk_frames`: a forward cannot be interrupted, so a new stream's first chunk waits
+    for at most one such job instead of one of `max_chunk_frames`.
     """
 
     first_chunk_frames: int = 8
     growth: float = 2.0
     max_chunk_frames: int = 256
+    shared_chunk_frames: int = 32
 
     def __post_init__(self) -> None:
         if self.first_chunk_frames < 1:
@@ -43,11 +46,17 @@ class ChunkPolicy:
         if self.max_chunk_frames < self.first_chunk_frames:
             raise ValueError(f"max_chunk_frames ({self.max_chunk_frames}) must be >= "
                              f"first_chunk_frames ({self.first_chunk_frames})")
+        if self.shared_chunk_frames < 1:
+            raise ValueError(f"shared_chunk_frames must be >= 1 (got {self.shared_chunk_frames})")
 
-    def min_frames(self, job_index: int) -> int:
+    def cap(self, shared: bool = False) -> int:
+        """Most new frames in one job."""
+        return min(self.shared_chunk_frames, self.max_chunk_frames) if shared else self.max_chunk_frames
+
+    def min_frames(self, job_index: int, shared: bool = False) -> int:
         """Fewest new frames job `job_index` waits for (the end of stream excepted)."""
         size = self.first_chunk_frames * self.growth ** min(job_index, 64)
-        return int(min(self.max_chunk_frames, round(size)))
+        return int(min(self.cap(shared), round(size)))
 
 
 @dataclass(eq=False)
@@ -172,17 +181,23 @@ class VocoderStream:
         self._note_arrival(self.frames_received)
 
     # -- jobs -------------------------------------------------------------------------------
-    def ready(self) -> list[Job]:
-        """Jobs whose frames and right context have all arrived, in order; each is issued once."""
+    def ready(self, shared: bool = False) -> list[Job]:
+        """Jobs whose frames and right context have all arrived, in order; each is issued once.
+
+        `shared`: other streams use the same generator now, so jobs keep to the shared cap.
+        """
+        if not self._may_be_ready(shared):
+            return []  # decoding tokens per message would cost more than vocoding them
         self._decode_tokens()
         jobs = []
+        cap = self.policy.cap(shared)
         while (remaining := self.frames_received - self._scheduled) > 0:
             forced = self._boundary_frames - self._scheduled  # due now, whatever the policy
             schedulable = remaining if self.ended else max(remaining - self.context_right, forced)
-            want = self.policy.min_frames(self._next_job)
+            want = self.policy.min_frames(self._next_job, shared)
             if schedulable < want and not self.ended and forced <= 0:
                 break
-            take = want if self._next_job == 0 else max(want, min(schedulable, self.policy.max_chunk_frames))
+            take = want if self._next_job == 0 else max(want, min(schedulable, cap))
             jobs.append(self._make_job(self._scheduled, min(take, schedulable)))
         return jobs
 
@@ -236,6 +251,15 @@ class VocoderStream:
     def _append_mel(self, mel: np.ndarray) -> None:
         self._mel = np.concatenate([self._mel, mel], axis=1)
         self.frames_received += mel.shape[1]
+
+    def _may_be_ready(self, shared: bool) -> bool:
+        """Whether the next job could be due, judged from counts alone (no decoding)."""
+        dec = self.token_decoder
+        if dec is None or self.ended or self._boundary_frames > self._scheduled:
+            return True
+        decodable = max(self.tokens_received - dec.lookahead, self._boundary_tokens)
+        frames = decodable * dec.config.frames_per_token
+        return frames - self._scheduled - self.context_right >= self.policy.min_frames(self._next_job, shared)
 
     def _decode_tokens(self) -> None:
         dec = self.token_decoder
