@@ -130,11 +130,15 @@ class Pipeline:
     """Runs syntheses against pools of text-service and vocoder-service replicas."""
 
     def __init__(self, text_pool: ReplicaPool, vocoder_pool: ReplicaPool, frontends: dict,
-                 lookahead_segments: int = 1):
+                 lookahead_segments: int = 1, stream_chunk_tokens: int = 8):
         self.text_pool = text_pool
         self.vocoder_pool = vocoder_pool
         self.frontends = frontends  # voice name -> FrontEnd
         self.lookahead_segments = lookahead_segments
+        # the model outruns real time many times over: after the first token, tokens travel in
+        # eights, so every hop handles an eighth of the messages (each costs the vocoder's core
+        # more than the audio of one token) for a few milliseconds of delay
+        self.stream_chunk_tokens = stream_chunk_tokens
 
     async def synthesize(self, req: SynthesisRequest, texts: AsyncIterator[str],
                          tracker: LatencyTracker) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
@@ -255,6 +259,7 @@ class Pipeline:
             request_id=f"{req.request_id}-{index}",
             text=voice.prompt_template.replace("{text}", seg.model_input), sampling=sampling,
             max_tokens=max_tokens, stop_token_ids=[voice.end_token_id],
+            stream_chunk_tokens=self.stream_chunk_tokens,
             allowed_tokens=text_pb2.TokenRange(start=allowed[0], end=allowed[1]))
 
     async def _generate(self, req: SynthesisRequest, seg: _Segment, tracker: LatencyTracker,

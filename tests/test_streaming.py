@@ -126,7 +126,7 @@ def test_first_chunk_leaves_before_end_of_stream(backend, mel):
 
 
 def test_first_token_chunk_waits_for_decoder_lookahead(backend, decoder):
-    stream = VocoderStream(backend.config, token_decoder=decoder)
+    stream = VocoderStream(backend.config, token_decoder=decoder, policy=ChunkPolicy(first_chunk_frames=8))
     # 8 frames + 13 frames of right context = 11 tokens of mel, + 2 tokens of decoder lookahead
     codes = np.arange(13) % 64
     stream.push_tokens(codes[:12])
@@ -168,7 +168,7 @@ def test_shared_streams_keep_to_the_shared_cap(backend, mel):
 
 
 def test_flush_emits_the_tail(backend, mel):
-    stream = VocoderStream(backend.config)
+    stream = VocoderStream(backend.config, policy=ChunkPolicy(first_chunk_frames=8))
     stream.push_mel(mel[:, :30])
     before = stream.step(backend)
     # 8 frames go at once; the next job waits for 16 more frames plus right context

@@ -73,6 +73,19 @@ def test_greedy_stream_equals_offline_engine(service, model_dir):
     assert 0 < t.ttft_ms <= t.total_ms and t.decode_ms > 0 and t.mean_itl_ms > 0
 
 
+def test_stream_chunk_tokens_after_an_immediate_first_token(service):
+    prompt = pb.TokenIds(ids=[5, 17, 42, 99])
+    plain, _, _ = generate(service, token_ids=prompt, max_tokens=40, ignore_eos=True)
+    tokens, last, responses = generate(service, token_ids=prompt, max_tokens=40, ignore_eos=True,
+                                       stream_chunk_tokens=20)
+    sizes = [len(r.token_ids) for r in responses[:-1]]
+    assert tokens == plain and sum(sizes) == 40
+    # the first message leaves with whatever the first step(s) made, not after 20 tokens
+    assert sizes[0] < 20 and len(sizes) >= 2
+    assert all(n >= 20 for n in sizes[1:-1])
+    assert [r.first_token_index for r in responses[:-1]] == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 def test_stop_ids_allowed_range_and_seed(service):
     tokens, last, _ = generate(service, token_ids=pb.TokenIds(ids=[1, 2, 3]), max_tokens=40,
                                ignore_eos=True, allowed_tokens=pb.TokenRange(start=100, end=140),

@@ -105,7 +105,8 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     token_times.extend([ev.time] * len(ev.token_ids))
                     seq, last_event = ev.seq, ev
                 done = last_event is not None and last_event.finished
-                if pending and (len(pending) >= chunk or done):
+                # the first token goes at once (it is the TTFT); later ones in chunks
+                if pending and (len(pending) >= chunk or done or first_sent is None):
                     yield pb.GenerateResponse(token_ids=pending, first_token_index=sent)
                     if first_sent is None:
                         first_sent = time.perf_counter()

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
                    help="let ONNX Runtime's idle workers spin (faster on dedicated cores; steals "
                         "CPU from other services on shared ones)")
-    p.add_argument("--first-chunk-frames", type=int, default=8)
+    p.add_argument("--first-chunk-frames", type=int, default=4,
+                   help="new frames in a stream's first job (its time to first audio)")
     p.add_argument("--chunk-growth", type=float, default=2.0)
     p.add_argument("--max-chunk-frames", type=int, default=128,
                    help="most new frames in one job while a stream has the generator to itself")

@@ -33,7 +33,7 @@ class ChunkPolicy:
     for at most one such job instead of one of `max_chunk_frames`.
     """
 
-    first_chunk_frames: int = 8
+    first_chunk_frames: int = 4
     growth: float = 2.0
     max_chunk_frames: int = 256
     shared_chunk_frames: int = 32
