@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels import attention, conv, delta_rule, norm
+from kernels import attention, conv, delta_rule, linear, norm
 from kernels.ops import Ops
 
 logger = logging.getLogger(__name__)
@@ -257,6 +257,7 @@ def npu_ops() -> Ops:
     """Import torch_npu and build the NPU `Ops`."""
     kernels = NpuKernels(import_torch_npu())
     return Ops(
+        linear=linear.linear,
         rms_norm=kernels.rms_norm,
         add_rms_norm=kernels.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,

@@ -1,17 +1,19 @@
-"""The `Ops` table and its per-device choice: pure-torch reference on cpu/cuda, torch_npu on npu."""
+"""The `Ops` table and its per-device choice: pure-torch reference on cuda, the reference with
+oneDNN projections on cpu, torch_npu on npu."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from kernels import attention, conv, delta_rule, norm, rotary
+from kernels import attention, conv, delta_rule, linear, norm, rotary
 
 
 @dataclass(frozen=True)
 class Ops:
     """Kernel entry points for one device type; signatures are the agreed kernel API."""
 
+    linear: Callable
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
@@ -26,6 +28,7 @@ class Ops:
 
 
 REFERENCE_OPS = Ops(
+    linear=linear.linear,
     rms_norm=norm.rms_norm,
     add_rms_norm=norm.add_rms_norm,
     gated_rms_norm=norm.gated_rms_norm,
@@ -47,7 +50,10 @@ def get_ops(device: str | torch.device) -> Ops:
     # parsed by hand: torch.device("npu") only exists once torch_npu has been imported
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     if device_type not in _chosen:
-        if device_type in ("cpu", "cuda"):
+        if device_type == "cpu":
+            _chosen[device_type] = (replace(REFERENCE_OPS, linear=linear.onednn_linear)
+                                    if linear.onednn_available() else REFERENCE_OPS)
+        elif device_type == "cuda":
             _chosen[device_type] = REFERENCE_OPS
         elif device_type == "npu":
             from kernels import npu  # imports torch_npu, so only when asked for

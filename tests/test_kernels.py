@@ -27,10 +27,15 @@ def _seed() -> None:
 
 
 def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
-    assert kernels.get_ops("cpu") is REFERENCE_OPS
+    from kernels import linear
+
+    cpu = kernels.get_ops("cpu")
+    assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
+    assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)
+    assert dataclasses.replace(cpu, linear=linear.linear) == REFERENCE_OPS  # only the matmuls differ
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
     assert {f.name for f in dataclasses.fields(kernels.Ops)} == {
-        "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",
+        "linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",
         "paged_attention_decode", "causal_conv1d", "causal_conv1d_update",
         "chunk_gated_delta_rule", "recurrent_gated_delta_rule",
     }  # fmt: skip
@@ -38,6 +43,27 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
         ops.rms_norm = None  # type: ignore[misc]
     with pytest.raises(ValueError, match="supported: cpu, cuda, npu"):
         kernels.get_ops("meta")
+
+
+# --- projections -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (37, 96), (2, 5, 96), (0, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_reference(shape, bias) -> None:
+    from kernels import linear
+
+    if not linear.onednn_available():
+        pytest.skip("this torch has no oneDNN matmul")
+    w, b = torch.randn(80, 96), torch.randn(80) if bias else None
+    x = torch.randn(*shape)
+    close(linear.onednn_linear(x, w, b), linear.linear(x, w, b))
+    strided = torch.randn(*shape[:-1], 192)[..., ::2]  # a view, not contiguous
+    close(linear.onednn_linear(strided, w, b), linear.linear(strided, w, b))
+    xh, wh = x.bfloat16(), w.bfloat16()
+    close(linear.onednn_linear(xh, wh).float(), linear.linear(xh, wh).float(), tol=2e-2)
+    x64 = x.double()  # not a oneDNN dtype: falls back
+    assert linear.onednn_linear(x64, w.double()).dtype == torch.float64
 
 
 # --- norms -----------------------------------------------------------------------------------

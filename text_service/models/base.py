@@ -1,6 +1,5 @@
 """What every causal LM here shares: embeddings, LM head (tied or not), logits, cache layout."""
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from text_service.context import get_context
@@ -21,12 +20,12 @@ class CausalLM(nn.Module):
     checkpoint_renames: dict[str, str] = {}
     ignored_checkpoint_prefixes: tuple[str, ...] = ()
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, ops) -> None:
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, ops=ops)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids/positions [T] of all sequences in the step -> final hidden states [T, hidden]."""
@@ -36,7 +35,7 @@ class CausalLM(nn.Module):
         """fp32 logits [n, vocab] of the rows ``get_context().logits_indices`` of ``hidden``."""
         hidden = hidden[get_context().logits_indices]
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.model.ops.linear(hidden, weight).float()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -28,22 +28,23 @@ def new_parameter(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with the checkpoint's [out, in] weight layout."""
+    """y = x W^T (+ b) with the checkpoint's [out, in] weight layout, through `ops.linear`."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, ops) -> None:
         super().__init__()
         self.weight = new_parameter(output_size, input_size)
         self.bias = new_parameter(output_size) if bias else None
+        self.ops = ops
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim (one matmul)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, ops) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, ops=ops)
         self.output_sizes = list(output_sizes)
         self.weight.weight_loader = self.shard_loader
         if self.bias is not None:
@@ -99,12 +100,12 @@ class GatedRMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, ops) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], ops=ops)
+        self.down_proj = Linear(intermediate_size, hidden_size, ops=ops)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -216,6 +217,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
+        self.ops = ops
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=norm_offset, ops=ops)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:

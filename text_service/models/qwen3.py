@@ -29,8 +29,8 @@ class Qwen3Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = Linear(q_size, hidden, bias=bias)
+        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=bias, ops=ops)
+        self.o_proj = Linear(q_size, hidden, bias=bias, ops=ops)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=0.0, ops=ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=0.0, ops=ops)
         self.rotary = rotary
@@ -50,7 +50,7 @@ class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, ops, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, ops, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops)
 
@@ -70,12 +70,12 @@ class Qwen3ForCausalLM(CausalLM):
     }
 
     def __init__(self, config, device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
-        super().__init__(config)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         if getattr(config, "use_sliding_window", False) or set(layer_types) != {"full_attention"}:
             raise ValueError("sliding-window attention layers are not supported: every layer must be full_attention")
         device = torch.device(device)
         ops = kernels.get_ops(device)
+        super().__init__(config, ops)
         head_dim = head_dim_of(config)
         rotary_dim, base = rope_settings(config, head_dim, partial=False)
         rotary = RotaryEmbedding(ops, rotary_dim, max_positions or config.max_position_embeddings, base, device)

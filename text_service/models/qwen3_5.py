@@ -42,8 +42,8 @@ class Qwen3_5Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q_proj rows are per head [q | gate], so q_proj stays one shard of 2 * q_size
-        self.qkv_proj = MergedLinear(hidden, [2 * q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = Linear(q_size, hidden, bias=bias)
+        self.qkv_proj = MergedLinear(hidden, [2 * q_size, kv_size, kv_size], bias=bias, ops=ops)
+        self.o_proj = Linear(q_size, hidden, bias=bias, ops=ops)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0, ops=ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0, ops=ops)
         self.rotary = rotary
@@ -106,12 +106,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.ops = ops
 
         hidden, Hv = config.hidden_size, self.num_v_heads
-        self.in_proj_qkvzba = MergedLinear(hidden, [self.conv_dim, self.value_dim, Hv, Hv])
+        self.in_proj_qkvzba = MergedLinear(hidden, [self.conv_dim, self.value_dim, Hv, Hv], ops=ops)
         self.conv1d = CausalConv1d(self.conv_dim, self.conv_kernel_size, ops)
         self.dt_bias = new_parameter(Hv)
         self.A_log = new_parameter(Hv)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, ops)
-        self.out_proj = Linear(self.value_dim, hidden)
+        self.out_proj = Linear(self.value_dim, hidden, ops=ops)
         self.conv_state: Tensor | None = None
         self.ssm_state: Tensor | None = None
 
@@ -165,7 +165,7 @@ class Qwen3_5DecoderLayer(PreNormDecoderLayer):
             self.linear_attn = Qwen3_5GatedDeltaNet(config, ops)
         else:
             self.self_attn = Qwen3_5Attention(config, ops, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
 
@@ -192,12 +192,12 @@ class Qwen3_5ForCausalLM(CausalLM):
     ignored_checkpoint_prefixes = ("mtp.", "model.visual.")
 
     def __init__(self, config, device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
-        super().__init__(config)
         layer_types = list(config.layer_types)
         if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
             raise ValueError(f"layer_types must list {config.num_hidden_layers} entries of {LAYER_TYPES}")
         device = torch.device(device)
         ops = kernels.get_ops(device)
+        super().__init__(config, ops)
         rotary_dim, base = rope_settings(config, config.head_dim, partial=True)
         rotary = RotaryEmbedding(ops, rotary_dim, max_positions or config.max_position_embeddings, base, device)
         self.model = DecoderModel(

@@ -1,0 +1,32 @@
+"""Dense projections y = x W^T (+ b) with the checkpoint's `[out, in]` weight layout."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Reference: `F.linear` (BLAS on CPU, cuBLAS on CUDA)."""
+    return F.linear(x, weight, bias)
+
+
+def onednn_available() -> bool:
+    """Whether torch was built with oneDNN's CPU matmul (x86 and arm64 wheels are)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """CPU: oneDNN's matmul, which picks its kernels by instruction set rather than CPU vendor.
+
+    F.linear goes to MKL's sgemm, which on the AMD EPYC (AVX-512) of our CI machine ran at
+    60-100 GFLOP/s per core against oneDNN's 140-230 for 16-256 rows (fp32, K=1024). Same
+    fp32 arithmetic; only the summation order differs. Other dtypes fall back to F.linear.
+    """
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+    return y.view(*shape[:-1], weight.shape[0])
