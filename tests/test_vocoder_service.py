@@ -256,3 +256,19 @@ def test_flush_emits_everything_received_and_keeps_the_stream_open(service):
             else:
                 assert resp.summary.num_samples == 20 * 2 * 256
     assert got_all.is_set()
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("--shared-chunk-frames", "0", "shared_chunk_frames must be >= 1"),
+    ("--max-batch-frames", "-5", "max_batch_frames must be >= 1"),
+    ("--first-chunk-frames", "0", "first_chunk_frames must be >= 1"),
+])
+def test_bad_batching_flags_exit_2_with_one_line(voice_dir, flag, value, match):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "vocoder_service", "--voice", str(voice_dir), "--port",
+                        "0", "--metrics-port", "-1", flag, value],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr

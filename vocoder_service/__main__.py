@@ -89,7 +89,7 @@ async def run(args: argparse.Namespace) -> None:
         policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames,
                            args.shared_chunk_frames),
         limits=VocoderLimits(max_streams=args.max_streams),
-        max_batch_frames=args.max_batch_frames or None)
+        max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames)
     servicer.start()
 
     def warmup() -> None:

@@ -35,6 +35,9 @@ class Batcher:
 
     def __init__(self, backend: Backend, max_batch: int = 32, max_batch_frames: int = 256,
                  on_batch=None):
+        if max_batch < 1 or max_batch_frames < 1:
+            raise ValueError(f"max_batch and max_batch_frames must be >= 1 (got {max_batch}, "
+                             f"{max_batch_frames})")
         self.backend = backend
         self.max_batch = max_batch
         self.max_batch_frames = max_batch_frames

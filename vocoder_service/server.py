@@ -54,6 +54,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         self.backends = backends  # voice name -> backend (voices may share one)
         self.policy = policy or ChunkPolicy()
         self.limits = limits or VocoderLimits()
+        if max_batch_frames is not None and max_batch_frames < 1:
+            raise ValueError(f"max_batch_frames must be >= 1 (got {max_batch_frames})")
         self.max_batch_frames = max_batch_frames  # None: by the backend's device
         self.active_streams = 0
         self._batchers: dict[int, Batcher] = {}
