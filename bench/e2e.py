@@ -92,7 +92,8 @@ class Deployment:
                 text_addr = voc_addr = both.address
             orch = start_service("orchestrator", "orchestrator", [
                 "--voice", str(self.voice_dir), "--text-service", text_addr,
-                "--vocoder-service", voc_addr, "--http-port", "-1"])
+                "--vocoder-service", voc_addr, "--http-port", "-1"],
+                cpus={0} if self.mode == "split" else None)
             self.procs.append(orch)
             self.address = orch.address
         except BaseException:

@@ -15,14 +15,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+# Below this many multiply-adds a oneDNN call costs more than it saves (10-40 us of overhead
+# per call against MKL's few; measured on the project's CPU, e.g. [4,192] x [192,1152]).
+ONEDNN_MIN_MACS = 1 << 20
+
+
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """CPU: oneDNN's matmul, which picks its kernels by instruction set rather than CPU vendor.
 
     F.linear goes to MKL's sgemm, which on the AMD EPYC (AVX-512) of our CI machine ran at
     60-100 GFLOP/s per core against oneDNN's 140-230 for 16-256 rows (fp32, K=1024). Same
-    fp32 arithmetic; only the summation order differs. Other dtypes fall back to F.linear.
+    fp32 arithmetic; only the summation order differs. Small products (a speech LM of a few
+    million parameters decoding one sequence) and other dtypes stay on F.linear.
     """
-    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or x.numel() == 0:
+    if (x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype
+            or x.numel() * weight.shape[0] < ONEDNN_MIN_MACS):
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
