@@ -112,3 +112,28 @@ def test_create_backend(onnx_cache, ort_backend):
         create_backend("tensorrt")
     with pytest.raises(ValueError, match="no CUDAExecutionProvider"):
         OnnxBackend(cache_dir=onnx_cache, use_cuda=True)
+
+
+@pytest.mark.parametrize("which", ["ort", "torch"])
+def test_stateful_streaming_equals_offline(which, ort_backend, torch_backend, onnx_cache):
+    """The exported step and final graphs carry the state as inputs and outputs; chunks of any
+    size (0 frames at the end too) give the offline audio."""
+    backend = ort_backend if which == "ort" else torch_backend
+    mel = _mel(1, 70, seed=5).astype(np.float32)
+    offline = backend.run(mel)[0]
+    state, pieces, start = None, [], 0
+    for n, final in [(14, False), (1, False), (40, False), (15, False), (0, True)]:
+        audio, state = backend.run_stream(mel[:, :, start:start + n], state, final)
+        pieces.append(audio)
+        start += n
+    streamed = np.concatenate(pieces)
+    assert streamed.shape == offline.shape and streamed.dtype == np.float32
+    assert np.abs(streamed - offline).max() <= 1e-4
+    if which == "ort":
+        names = sorted(p.name for p in onnx_cache.iterdir() if "stream" in p.name)
+        assert len(names) == 2 and names[0].endswith("-stream-final.onnx")
+
+
+def test_stream_rejects_bad_shapes(ort_backend):
+    with pytest.raises(ValueError, match=r"\[1, 80, frames\]"):
+        ort_backend.run_stream(np.zeros((2, 80, 20), np.float32), None)

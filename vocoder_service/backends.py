@@ -14,11 +14,12 @@ from torch import nn
 
 from vocoder_service.checkpoint import GeneratorCheckpoint, load_generator, resolve_checkpoint
 from vocoder_service.hifigan import Generator, HifiGanConfig
+from vocoder_service.streaming import StreamingGenerator
 
 log = logging.getLogger(__name__)
 
 ONNX_OPSET = 17
-_EXPORT_VERSION = 2  # bump when the exported graph changes, so stale cache entries are not reused
+_EXPORT_VERSION = 3  # bump when the exported graph changes, so stale cache entries are not reused
 GRAPH_OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 
 
@@ -59,9 +60,25 @@ class Backend:
         """Vocode a batch of equal-length mel windows in one forward."""
         raise NotImplementedError
 
-    def warmup(self, frames: int = 16) -> None:
-        """One throw-away forward so the first real request does not pay for allocation."""
-        self.run(np.zeros((1, self.num_mels, frames), dtype=np.float32))
+    def run_stream(self, mel: np.ndarray, state: list | None, final: bool = False
+                   ) -> tuple[np.ndarray, list]:
+        """One stream's next chunk through the stateful generator (see `streaming.py`).
+
+        mel `[1, num_mels, new frames]` (only frames not sent before; 0 frames is allowed on
+        the final call), `state` None at the start of a stream; returns (audio `[samples]`,
+        state for the next call). The first non-final call needs at least
+        `receptive_field[1] + 1` frames.
+        """
+        raise NotImplementedError
+
+    def warmup(self, frames: int = 16, stateful: bool = False) -> None:
+        """Throw-away forwards so the first real request does not pay for allocation."""
+        mel = np.zeros((1, self.num_mels, frames), dtype=np.float32)
+        self.run(mel)
+        if stateful:
+            _, state = self.run_stream(np.zeros((1, self.num_mels, self.receptive_field[1] + 4),
+                                                dtype=np.float32), None)
+            self.run_stream(mel, state, final=True)
 
     def _check(self, mel: np.ndarray | torch.Tensor) -> None:
         if mel.ndim != 3 or mel.shape[1] != self.num_mels or mel.shape[2] < 1:
@@ -94,6 +111,18 @@ class TorchBackend(Backend):
         with torch.inference_mode():
             audio = self.generator(x)[:, 0]
         return audio.float().cpu().numpy()
+
+    def run_stream(self, mel, state, final=False):
+        if mel.ndim != 3 or mel.shape[:2] != (1, self.num_mels):
+            raise ValueError(f"mel must be [1, {self.num_mels}, frames] (got {tuple(mel.shape)})")
+        with torch.inference_mode():
+            if not hasattr(self, "_streamer"):
+                self._streamer = StreamingGenerator(self.generator)
+            if state is None:
+                state = self._streamer.initial_state(1, self.dtype, self._device)
+            x = torch.as_tensor(mel).to(device=self._device, dtype=self.dtype)
+            audio, state = self._streamer(x.unsqueeze(2), state, final)
+        return audio[0].float().cpu().numpy(), state
 
 
 def _as_conv2d(module: nn.Module) -> nn.Module:
@@ -136,14 +165,51 @@ class _ExportWrapper(nn.Module):
         return self.generator(x)[:, 0, 0].float()
 
 
-def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False) -> Path:
-    """Export the generator (legacy exporter, opset 17, dynamic batch and time); atomic write."""
+class _StreamExportWrapper(nn.Module):
+    """`(mel, *state) -> (audio, *state)` for one stream; mel and audio float32, state in the
+    compute precision. `final` is fixed per graph: the step graph and the final graph."""
+
+    def __init__(self, generator: Generator, fp16: bool, final: bool):
+        super().__init__()
+        self.streamer = StreamingGenerator(generator)
+        self.fp16, self.final = fp16, final
+
+    def forward(self, mel: torch.Tensor, *state: torch.Tensor):
+        x = (mel.half() if self.fp16 else mel).unsqueeze(2)
+        audio, state = self.streamer(x, list(state), self.final)
+        return (audio.float(), *state)
+
+
+def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False,
+                stream: str | None = None) -> Path:
+    """Export the generator (legacy exporter, opset 17, dynamic batch and time); atomic write.
+
+    `stream` "step" or "final" exports the stateful streaming graph instead (`streaming.py`),
+    with every state tensor an input `state{i}` and an output `next{i}`.
+    """
     # tracing runs the model: fp16 convs are very slow on CPU, so trace on a GPU when there is
     # one, and on as few frames as possible (the exported axes are dynamic anyway)
     device = "cuda" if fp16 and torch.cuda.is_available() else "cpu"
-    generator = load_generator(checkpoint, device=device, dtype=torch.float16 if fp16 else torch.float32)
-    wrapper = _ExportWrapper(generator, fp16).eval()
-    dummy = torch.zeros(1, checkpoint.config.num_mels, 2, device=device)
+    dtype = torch.float16 if fp16 else torch.float32
+    generator = load_generator(checkpoint, device=device, dtype=dtype)
+    if stream is None:
+        wrapper = _ExportWrapper(generator, fp16).eval()
+        dummy = (torch.zeros(1, checkpoint.config.num_mels, 2, device=device),)
+        names = dict(input_names=["mel"], output_names=["audio"],
+                     dynamic_axes={"mel": {0: "batch", 2: "frames"},
+                                   "audio": {0: "batch", 1: "samples"}})
+    else:
+        wrapper = _StreamExportWrapper(generator, fp16, stream == "final")
+        state = wrapper.streamer.initial_state(1, dtype, device)
+        # enough frames that every layer of the step graph produces output
+        frames = checkpoint.config.receptive_field[1] + 4
+        dummy = (torch.zeros(1, checkpoint.config.num_mels, frames, device=device), *state)
+        inputs = [f"state{i}" for i in range(len(state))]
+        outputs = [f"next{i}" for i in range(len(state))]
+        names = dict(input_names=["mel", *inputs], output_names=["audio", *outputs],
+                     dynamic_axes={"mel": {0: "batch", 2: "frames"},
+                                   "audio": {0: "batch", 1: "samples"},
+                                   **{n: {0: "batch", 3: f"{n}_len"} for n in inputs + outputs}})
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".onnx.tmp")
     os.close(fd)
@@ -151,10 +217,9 @@ def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False)
         with torch.inference_mode(), warnings.catch_warnings():
             # the legacy exporter is chosen on purpose (FACTS: it gives the verified graph)
             warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(wrapper, (dummy,), tmp, dynamo=False, opset_version=ONNX_OPSET,
-                              input_names=["mel"], output_names=["audio"],
-                              dynamic_axes={"mel": {0: "batch", 2: "frames"},
-                                            "audio": {0: "batch", 1: "samples"}})
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", UserWarning)  # constant folding skips dynamic slices
+            torch.onnx.export(wrapper, dummy, tmp, dynamo=False, opset_version=ONNX_OPSET, **names)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)  # concurrent exporters of the same key write identical files
     finally:
@@ -195,10 +260,8 @@ class OnnxBackend(Backend):
         self.config = checkpoint.config
         self.checkpoint = checkpoint
 
-        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        precision = "fp16" if self.fp16 else "fp32"
-        self.model_path = cache / (f"hifigan-{checkpoint.fingerprint[:24]}-v{_EXPORT_VERSION}"
-                                   f"-op{ONNX_OPSET}-{precision}.onnx")
+        self._cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.model_path = self._export_path()
         self.exported = not self.model_path.is_file()
         if self.exported:
             log.info("exporting %s to %s", checkpoint.path, self.model_path)
@@ -218,7 +281,46 @@ class OnnxBackend(Backend):
         providers: list = ["CPUExecutionProvider"]
         if self.use_cuda:
             providers.insert(0, ("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"}))
+        self._opts, self._providers = opts, providers
         self.session = ort.InferenceSession(str(self.model_path), opts, providers=providers)
+        self._stream_sessions = None  # (step, final), built on first use
+
+    def _export_path(self, stream: str | None = None) -> Path:
+        precision = "fp16" if self.fp16 else "fp32"
+        kind = "" if stream is None else f"-stream-{stream}"
+        return self._cache / (f"hifigan-{self.checkpoint.fingerprint[:24]}-v{_EXPORT_VERSION}"
+                              f"-op{ONNX_OPSET}-{precision}{kind}.onnx")
+
+    def _streaming_sessions(self):
+        import onnxruntime as ort
+
+        if self._stream_sessions is None:
+            sessions = []
+            for kind in ("step", "final"):
+                path = self._export_path(kind)
+                if not path.is_file():
+                    log.info("exporting the %s streaming graph of %s to %s", kind,
+                             self.checkpoint.path, path)
+                    export_onnx(self.checkpoint, path, fp16=self.fp16, stream=kind)
+                sessions.append(ort.InferenceSession(str(path), self._opts,
+                                                     providers=self._providers))
+            dtype = torch.float16 if self.fp16 else torch.float32
+            streamer = StreamingGenerator(Generator(self.config))  # only for the state shapes
+            self._initial_state = [t.numpy() for t in streamer.initial_state(1, dtype)]
+            self._state_names = [i.name for i in sessions[0].get_inputs()][1:]
+            self._stream_sessions = tuple(sessions)
+        return self._stream_sessions
+
+    def run_stream(self, mel, state, final=False):
+        if mel.ndim != 3 or mel.shape[:2] != (1, self.num_mels):
+            raise ValueError(f"mel must be [1, {self.num_mels}, frames] (got {tuple(mel.shape)})")
+        if isinstance(mel, torch.Tensor):
+            mel = mel.detach().cpu().numpy()
+        step, last = self._streaming_sessions()
+        feed = dict(zip(self._state_names, self._initial_state if state is None else state))
+        feed["mel"] = np.ascontiguousarray(mel, dtype=np.float32)
+        audio, *state = (last if final else step).run(None, feed)
+        return audio[0], state
 
     @property
     def device(self) -> str:
