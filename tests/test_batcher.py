@@ -77,3 +77,31 @@ def test_first_jobs_get_forwards_of_their_own():
 
     taken, batches = asyncio.run(main())
     assert batches[0] == {0} and len(taken) == 2  # both first chunks, nothing else
+
+
+def test_first_jobs_one_per_forward_where_batching_only_delays():
+    """With max_first_batch=1 (the CPU default), first chunks that arrive together run one after
+    another, oldest first, so the earliest is not held back by the others' frames."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+    from vocoder_service.server import default_first_batch
+
+    config = resolve_checkpoint().config
+
+    async def main():
+        backend = RecordingBackend()
+        batcher = Batcher(backend, max_batch_frames=1000, max_first_batch=1)
+        firsts = [stream_with_jobs(config, 8)[1][0] for _ in range(3)]
+        later = stream_with_jobs(config, 40)[1][1]
+        futures = [batcher.submit(later)] + [batcher.submit(j) for j in firsts]
+        order = []
+        for _ in range(4):
+            taken, batcher._pending = batcher._take(list(batcher._pending))
+            order.append([p.job for p in taken])
+        for f in futures:
+            f.cancel()
+        await batcher.close()
+        return firsts, later, order
+
+    firsts, later, order = asyncio.run(main())
+    assert order == [[firsts[0]], [firsts[1]], [firsts[2]], [later]]
+    assert default_first_batch(RecordingBackend()) == 1

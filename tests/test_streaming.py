@@ -81,10 +81,11 @@ def check_contiguous(chunks, total_samples: int) -> np.ndarray:
     return audio
 
 
+@pytest.mark.parametrize("stateful", [False, True], ids=["windowed", "stateful"])
 @pytest.mark.parametrize("piece", [1, 3, 1000])
-def test_streamed_mel_equals_offline(piece, backend, mel):
+def test_streamed_mel_equals_offline(piece, stateful, backend, mel):
     offline = backend.run(mel[None])[0]
-    stream = VocoderStream(backend.config)
+    stream = VocoderStream(backend.config, stateful=stateful)
     pieces = [mel[:, i:i + piece] for i in range(0, mel.shape[1], piece)]
     chunks = run_stream(stream, backend, pieces, stream.push_mel)
     audio = check_contiguous(chunks, mel.shape[1] * HOP)
@@ -92,15 +93,70 @@ def test_streamed_mel_equals_offline(piece, backend, mel):
     assert stream.done and stream.samples_emitted == audio.size
 
 
+@pytest.mark.parametrize("stateful", [False, True], ids=["windowed", "stateful"])
 @pytest.mark.parametrize("piece", [1, 3, 1000])
-def test_streamed_tokens_equal_offline(piece, backend, decoder):
+def test_streamed_tokens_equal_offline(piece, stateful, backend, decoder):
     codes = np.random.default_rng(1).integers(0, 64, 30)
     offline = backend.run(decoder.decode(codes)[None])[0]
-    stream = VocoderStream(backend.config, token_decoder=decoder)
+    stream = VocoderStream(backend.config, token_decoder=decoder, stateful=stateful)
     pieces = [codes[i:i + piece] for i in range(0, len(codes), piece)]
     chunks = run_stream(stream, backend, pieces, stream.push_tokens)
     audio = check_contiguous(chunks, 60 * HOP)
     assert snr_db(audio, offline) >= 40
+
+
+def test_stateful_stream_sends_each_frame_once(backend, mel):
+    """No recomputed context: the jobs' frames add up to the input, and only the first waits
+    for right context (the first non-final job has to fill every layer)."""
+    policy = ChunkPolicy(first_chunk_frames=4, growth=2.0, max_chunk_frames=16)
+    stream = VocoderStream(backend.config, policy=policy, stateful=True)
+    right = backend.receptive_field[1]
+    jobs = []
+    for i in range(mel.shape[1]):
+        stream.push_mel(mel[:, i:i + 1])
+        jobs += stream.ready()
+        if i < 4 + right - 1:
+            assert jobs == []  # the first job: 4 frames of audio need 13 more of input
+    stream.flush()
+    jobs += stream.ready()
+    assert [j.num_frames for j in jobs] == [4 + right, 8, 16, 16, 3]
+    assert [j.final for j in jobs] == [False] * 4 + [True]
+    assert sum(j.window_frames for j in jobs) == mel.shape[1]
+    chunks = [stream.complete(j, a) for j, a in zip(jobs, vocode_jobs(backend, jobs))]
+    assert chunks[0].num_samples == (4 + right) * HOP - stream_lag_samples(backend)
+    audio = check_contiguous(chunks, mel.shape[1] * HOP)
+    assert snr_db(audio, backend.run(mel[None])[0]) >= 40
+
+
+def stream_lag_samples(backend) -> int:
+    """Samples the stateful generator holds back: each layer's right half-width, at its rate."""
+    c = backend.config
+    lag, rate = 3, 1  # conv_pre
+    for u, k in zip(c.upsample_rates, c.upsample_kernel_sizes):
+        rate *= u
+        lag = lag * u + (k - u) // 2  # the transposed conv drops its padding on the left only
+        widest = max(sum((kr - 1) * d // 2 + (kr - 1) // 2 for d in ds)
+                     for kr, ds in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes))
+        lag += widest
+    return lag + 3  # conv_post
+
+
+def test_stateful_boundary_emits_everything_and_the_stream_goes_on(backend, mel):
+    """A boundary lets the held-back tail out (with zero right context, as at an end); the
+    input after it starts from a fresh state, and the stream keeps its sample count exact."""
+    stream = VocoderStream(backend.config, stateful=True)
+    stream.push_mel(mel[:, :30])
+    chunks = stream.step(backend)
+    stream.mark_boundary()
+    chunks += stream.step(backend)
+    assert sum(c.num_samples for c in chunks) == 30 * HOP
+    assert stream.state is None and not stream.done
+    stream.push_mel(mel[:, 30:])
+    chunks += run_stream(stream, backend, [], stream.push_mel)
+    audio = check_contiguous(chunks, mel.shape[1] * HOP)
+    offline_halves = np.concatenate([backend.run(mel[None, :, :30])[0],
+                                     backend.run(mel[None, :, 30:])[0]])
+    assert snr_db(audio, offline_halves) >= 40  # two utterances, joined at the boundary
 
 
 def test_too_little_context_is_audible(backend, mel):

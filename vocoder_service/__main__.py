@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most new frames in one job while other streams are open")
     p.add_argument("--max-batch-frames", type=int, default=0,
                    help="window frames in one forward (0: 64 on CPU, 1024 on accelerators)")
+    p.add_argument("--max-first-batch", type=int, default=0,
+                   help="streams' first chunks in one forward while any waits (0: 1 on CPU, "
+                        "32 on accelerators)")
+    p.add_argument("--streaming", choices=("auto", "stateful", "windowed"), default="auto",
+                   help="stateful: each layer keeps its input tail, no work repeated, one stream "
+                        "per forward; windowed: each chunk recomputes its context, many streams "
+                        "per forward (auto: stateful on CPU, windowed on accelerators)")
     p.add_argument("--max-streams", type=int, default=64)
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="warning")
@@ -89,18 +96,16 @@ async def run(args: argparse.Namespace) -> None:
         policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames,
                            args.shared_chunk_frames),
         limits=VocoderLimits(max_streams=args.max_streams),
-        max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames)
+        max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames,
+        max_first_batch=None if args.max_first_batch == 0 else args.max_first_batch,
+        streaming=args.streaming)
     servicer.start()
-
-    def warmup() -> None:
-        for backend in {id(b): b for b in backends.values()}.values():
-            backend.warmup()
 
     name = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name
     await serve([Service(name, vocoder_pb2_grpc.add_VocoderServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                warmup=warmup, grace_s=args.grace, on_stop=servicer.close)
+                warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close)
 
 
 def main(argv: list[str] | None = None) -> int:

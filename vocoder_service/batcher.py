@@ -34,12 +34,16 @@ class Batcher:
     """Collects jobs while a forward runs; the next forward takes everything collected."""
 
     def __init__(self, backend: Backend, max_batch: int = 32, max_batch_frames: int = 256,
-                 on_batch=None):
-        if max_batch < 1 or max_batch_frames < 1:
-            raise ValueError(f"max_batch and max_batch_frames must be >= 1 (got {max_batch}, "
-                             f"{max_batch_frames})")
+                 on_batch=None, max_first_batch: int | None = None):
+        max_first_batch = max_batch if max_first_batch is None else max_first_batch
+        if min(max_batch, max_batch_frames, max_first_batch) < 1:
+            raise ValueError(f"max_batch, max_batch_frames and max_first_batch must be >= 1 (got "
+                             f"{max_batch}, {max_batch_frames}, {max_first_batch})")
         self.backend = backend
         self.max_batch = max_batch
+        # Streams per forward while first jobs wait. Where a forward's time grows with its frames
+        # (one CPU core), batching first jobs only makes the earliest wait for the later ones.
+        self.max_first_batch = max_first_batch
         self.max_batch_frames = max_batch_frames
         self.on_batch = on_batch  # callback(batch_size, seconds) for metrics
         self._pending: list[_Pending] = []
@@ -68,17 +72,18 @@ class Batcher:
         never holds up the others for more than one of its own chunks. Streams' first jobs
         decide time to first audio, so while any is waiting a forward takes first jobs only."""
         firsts = any(p.job.index == 0 for p in live)
+        limit = self.max_first_batch if firsts else self.max_batch
         batch, rest, streams, frames = [], [], set(), 0
         for p in live:  # arrival order
             stream = id(p.job.stream)
-            fits = frames + p.job.window_frames <= self.max_batch_frames or not batch
-            if ((firsts and p.job.index > 0) or stream in streams or len(batch) >= self.max_batch
+            fits = frames + p.job.work_frames <= self.max_batch_frames or not batch
+            if ((firsts and p.job.index > 0) or stream in streams or len(batch) >= limit
                     or not fits):
                 rest.append(p)
                 continue
             batch.append(p)
             streams.add(stream)
-            frames += p.job.window_frames
+            frames += p.job.work_frames
         return batch, rest
 
     async def _run(self) -> None:
@@ -103,9 +108,9 @@ class Batcher:
                 seconds = time.perf_counter() - started
                 if self.on_batch is not None:
                     self.on_batch(len(batch), seconds)
-                frames = sum(p.job.window_frames for p in batch)
+                frames = sum(p.job.work_frames for p in batch)
                 for p, a in zip(batch, audio):
                     if not p.future.done():
                         p.future.set_result(JobResult(
-                            a, 1e3 * seconds * p.job.window_frames / frames,
+                            a, 1e3 * seconds * p.job.work_frames / frames,
                             1e3 * (started - p.submitted), len(batch)))

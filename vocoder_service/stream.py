@@ -1,9 +1,18 @@
 """Per-stream chunker: streamed audio equals offline synthesis of the whole input.
 
-Each job vocodes a run of new frames inside a window padded by the generator's receptive field
-(clipped at the stream's true ends, where the generator's own zero padding is what offline
-synthesis sees too), and keeps only the new frames' samples. A server drains `ready()` of many
-streams, runs `vocode_jobs` once, and hands each result back with `complete()`.
+Two ways to get there:
+
+- windowed: each job vocodes a run of new frames inside a window padded by the generator's
+  receptive field (clipped at the stream's true ends, where the generator's own zero padding is
+  what offline synthesis sees too), and keeps only the new frames' samples. Jobs of many
+  streams batch into one forward, but every job recomputes its context.
+- stateful: each job sends only new frames through the stateful generator (`streaming.py`),
+  which keeps every layer's input tail in the stream's state. No work is repeated, jobs of one
+  stream must run in order, one stream per call. The last ~receptive-field frames of audio come
+  out with the next job; the final job pads them with zeros as offline synthesis does.
+
+A server drains `ready()` of many streams, runs `vocode_jobs` once, and hands each result back
+with `complete()`.
 """
 
 from __future__ import annotations
@@ -73,10 +82,18 @@ class Job:
     pad_left_ok: bool  # full left context: frames added on the left change nothing kept
     pad_right_ok: bool
     ready_at: float  # perf_counter() of the input that made this job ready
+    stateful: bool = False  # new frames only, through the stream's state
+    final: bool = False  # stateful: end of input (or a boundary): the held-back tail comes out
 
     @property
     def window_frames(self) -> int:
         return self.mel.shape[1]
+
+    @property
+    def work_frames(self) -> int:
+        """Frames of generator work: the window, or the new frames plus a final call's tail."""
+        tail = self.stream.context_right if self.final else 0
+        return self.window_frames + tail
 
     @property
     def first_sample(self) -> int:
@@ -110,8 +127,11 @@ class VocoderStream:
     """Accepts mel frames or speech tokens in any chunk sizes; yields exact audio jobs."""
 
     def __init__(self, config: HifiGanConfig, *, policy: ChunkPolicy | None = None,
-                 token_decoder: TokenDecoder | None = None, stream_id: str | None = None):
+                 token_decoder: TokenDecoder | None = None, stream_id: str | None = None,
+                 stateful: bool = False):
         self.config = config
+        self.stateful = stateful
+        self.state = None  # stateful: the generator's carried tails (None: a fresh start)
         self.policy = policy or ChunkPolicy()
         self.token_decoder = token_decoder
         self.stream_id = stream_id if stream_id is not None else f"stream-{next(_stream_ids)}"
@@ -135,6 +155,9 @@ class VocoderStream:
         self._next_job = 0
         self._next_complete = 0
         self.samples_emitted = 0
+        self._fresh = True  # stateful: no frames sent since the start or the last boundary
+        self._tail_pending = False  # stateful: a boundary asked for the held-back tail
+        self._final_issued = False
 
     # -- input ------------------------------------------------------------------------------
     def push_mel(self, mel: np.ndarray | torch.Tensor) -> None:
@@ -178,6 +201,7 @@ class VocoderStream:
             self._boundary_tokens = self.tokens_received
             self._decode_tokens()
         self._boundary_frames = self.frames_received
+        self._tail_pending = self.stateful
         self._note_arrival(self.frames_received)
 
     # -- jobs -------------------------------------------------------------------------------
@@ -189,6 +213,8 @@ class VocoderStream:
         if not self._may_be_ready(shared):
             return []  # decoding tokens per message would cost more than vocoding them
         self._decode_tokens()
+        if self.stateful:
+            return self._ready_stateful(shared)
         jobs = []
         cap = self.policy.cap(shared)
         while (remaining := self.frames_received - self._scheduled) > 0:
@@ -208,15 +234,18 @@ class VocoderStream:
         if job.index != self._next_complete:
             raise ValueError(f"job {job.index} completed out of order (expected {self._next_complete})")
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
-        if audio.shape[0] != job.window_frames * job.hop_size:
-            raise ValueError(f"audio for job {job.index} has {audio.shape[0]} samples, expected "
-                             f"{job.window_frames * job.hop_size}")
-        start = (job.first_frame - job.window_start) * job.hop_size
-        piece = audio[start:start + job.num_samples].copy()
+        if job.stateful:
+            piece = audio  # exactly the samples the state let out
+        else:
+            if audio.shape[0] != job.window_frames * job.hop_size:
+                raise ValueError(f"audio for job {job.index} has {audio.shape[0]} samples, "
+                                 f"expected {job.window_frames * job.hop_size}")
+            start = (job.first_frame - job.window_start) * job.hop_size
+            piece = audio[start:start + job.num_samples].copy()
         self._next_complete += 1
+        first_sample = self.samples_emitted
         self.samples_emitted += piece.shape[0]
-        chunk = AudioChunk(piece, job.first_sample, job.index, self.done, job.ready_at)
-        return chunk
+        return AudioChunk(piece, first_sample, job.index, self.done, job.ready_at)
 
     def step(self, backend: Backend) -> list[AudioChunk]:
         """Vocode whatever is ready on `backend` (single-stream convenience)."""
@@ -229,7 +258,8 @@ class VocoderStream:
         frames = self.frames_received
         if self.token_decoder is not None:
             frames = self.tokens_received * self.token_decoder.config.frames_per_token
-        return self.ended and self._next_complete == self._next_job and self._scheduled == frames
+        return (self.ended and self._next_complete == self._next_job and self._scheduled == frames
+                and (self._final_issued or not self.stateful))
 
     # -- internals --------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -255,11 +285,16 @@ class VocoderStream:
     def _may_be_ready(self, shared: bool) -> bool:
         """Whether the next job could be due, judged from counts alone (no decoding)."""
         dec = self.token_decoder
-        if dec is None or self.ended or self._boundary_frames > self._scheduled:
+        if (dec is None or self.ended or self._boundary_frames > self._scheduled
+                or self._tail_pending):
             return True
         decodable = max(self.tokens_received - dec.lookahead, self._boundary_tokens)
         frames = decodable * dec.config.frames_per_token
-        return frames - self._scheduled - self.context_right >= self.policy.min_frames(self._next_job, shared)
+        return frames - self._scheduled - self._lag() >= self.policy.min_frames(self._next_job, shared)
+
+    def _lag(self) -> int:
+        """Frames beyond a job's own that must have arrived before it can run."""
+        return self.context_right if self._fresh or not self.stateful else 0
 
     def _decode_tokens(self) -> None:
         dec = self.token_decoder
@@ -282,6 +317,44 @@ class VocoderStream:
         self._tokens = self._tokens[keep_from - self._tok_base:]
         self._tok_base = keep_from
 
+    def _ready_stateful(self, shared: bool) -> list[Job]:
+        jobs = []
+        cap = self.policy.cap(shared)
+        while not self._final_issued:
+            remaining = self.frames_received - self._scheduled
+            if self.ended or self._tail_pending:
+                end = self.frames_received if self.ended else self._boundary_frames
+                count = end - self._scheduled
+                if count > max(cap, self.context_right + 1):  # long input: capped jobs first
+                    jobs.append(self._make_stateful_job(max(cap, self.context_right + 1)))
+                    continue
+                self._tail_pending = False
+                if self.ended or count or not self._fresh:
+                    jobs.append(self._make_stateful_job(count, final=True))
+                    self._final_issued = self.ended
+                continue
+            want = self.policy.min_frames(self._next_job, shared) + self._lag()
+            if remaining < want:
+                break
+            # a fresh state's first job stays small: it decides time to first audio
+            jobs.append(self._make_stateful_job(want if self._fresh else min(remaining, cap)))
+        return jobs
+
+    def _make_stateful_job(self, count: int, final: bool = False) -> Job:
+        first, end = self._scheduled, self._scheduled + count
+        job = Job(stream=self, index=self._next_job, mel=self._mel[:, first - self._mel_base:
+                                                                   end - self._mel_base],
+                  window_start=first, first_frame=first, num_frames=count,
+                  hop_size=self.config.hop_size, pad_left_ok=False, pad_right_ok=False,
+                  ready_at=self._flushed_at if self.ended and final else self._ready_time(end),
+                  stateful=True, final=final)
+        self._next_job += 1
+        self._scheduled = end
+        self._fresh = final  # after a final job the next one starts from a fresh state
+        self._mel = self._mel[:, end - self._mel_base:]
+        self._mel_base = end
+        return job
+
     def _make_job(self, first: int, count: int) -> Job:
         end = first + count
         ws = max(0, first - self.context_left)
@@ -301,14 +374,22 @@ class VocoderStream:
 
 def vocode_jobs(backend: Backend, jobs: list[Job], *, max_batch: int = 64,
                 max_pad_ratio: float = 1.25) -> list[np.ndarray]:
-    """Run jobs of many streams in as few forwards as possible; returns each job's window audio.
+    """Run jobs of many streams; returns each job's audio: a windowed job's whole window, a
+    stateful job's emitted samples.
 
-    Windows of equal length share a forward; a shorter one joins a longer group when it may be
+    Stateful jobs run one by one in list order, each on its stream's state. Windowed jobs go in
+    as few forwards as possible: windows of equal length share a forward; a shorter one joins a longer group when it may be
     padded on a side where it already has full context (which leaves its kept samples unchanged)
     and the padding wastes at most `max_pad_ratio` of its length.
     """
+    out: list[np.ndarray | None] = [None] * len(jobs)
+    for i, job in enumerate(jobs):  # in order: a stream's jobs build on each other's state
+        if job.stateful:
+            out[i], state = backend.run_stream(job.mel[None], job.stream.state, job.final)
+            job.stream.state = None if job.final else state
     groups: list[tuple[int, list[int]]] = []  # (window length, job indices)
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].window_frames)
+    order = sorted((i for i in range(len(jobs)) if not jobs[i].stateful),
+                   key=lambda i: -jobs[i].window_frames)
     for i in order:
         w, job = jobs[i].window_frames, jobs[i]
         for length, members in groups:
@@ -318,7 +399,6 @@ def vocode_jobs(backend: Backend, jobs: list[Job], *, max_batch: int = 64,
                 break
         else:
             groups.append((w, [i]))
-    out: list[np.ndarray | None] = [None] * len(jobs)
     hop = backend.hop_size
     for length, members in groups:
         batch = np.empty((len(members), backend.num_mels, length), np.float32)
