@@ -1,5 +1,7 @@
 """Paged KV cache: write new keys/values, and attend over cached prefix + new tokens."""
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -124,20 +126,23 @@ def paged_attention(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    decode: Callable[..., Tensor] = paged_attention_decode,
 ) -> Tensor:
-    """Causal attention of each sequence's new tokens over its paged KV: o `[T, H, D]`."""
+    """Causal attention of each sequence's new tokens over its paged KV: o `[T, H, D]`.
+
+    Sequences with one new token go through `decode` (a `paged_attention_decode`) together.
+    """
     _check_heads(q, k_cache)
     starts = query_start_loc.tolist()
     kv_lens = seq_lens.tolist()
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
     out = torch.empty_like(q)
 
-    # Sequences with a single new token go through the decode fast path together.
     single = [b for b, n in enumerate(q_lens) if n == 1]
     if single:
         index = torch.tensor(single, device=q.device)
         rows = query_start_loc[:-1].to(q.device)[index].long()
-        out[rows] = paged_attention_decode(
+        out[rows] = decode(
             q[rows],
             k_cache,
             v_cache,

@@ -1,12 +1,12 @@
 """The `Ops` table and its per-device choice: pure-torch reference on cuda, the reference with
-oneDNN projections on cpu, torch_npu on npu."""
+oneDNN projections and the compiled decode attention on cpu, torch_npu on npu."""
 
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from kernels import attention, conv, delta_rule, linear, norm, rotary
+from kernels import attention, conv, cpu_ext, delta_rule, linear, norm, rotary
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,24 @@ REFERENCE_OPS = Ops(
 _chosen: dict[str, Ops] = {}
 
 
+def cpu_ops() -> Ops:
+    """The reference with oneDNN projections and, where it builds, the compiled decode attention."""
+    ops = REFERENCE_OPS
+    if linear.onednn_available():
+        ops = replace(ops, linear=linear.onednn_linear)
+    if cpu_ext.build() is None:
+        ops = replace(ops, paged_attention=cpu_ext.paged_attention,
+                      paged_attention_decode=cpu_ext.paged_attention_decode)
+    return ops
+
+
 def get_ops(device: str | torch.device) -> Ops:
     """Return the `Ops` for a device ("cpu", "cuda:1", "npu", or a torch.device of those types)."""
     # parsed by hand: torch.device("npu") only exists once torch_npu has been imported
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     if device_type not in _chosen:
         if device_type == "cpu":
-            _chosen[device_type] = (replace(REFERENCE_OPS, linear=linear.onednn_linear)
-                                    if linear.onednn_available() else REFERENCE_OPS)
+            _chosen[device_type] = cpu_ops()
         elif device_type == "cuda":
             _chosen[device_type] = REFERENCE_OPS
         elif device_type == "npu":

@@ -27,12 +27,16 @@ def _seed() -> None:
 
 
 def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
-    from kernels import linear
+    from kernels import cpu_ext, linear
 
     cpu = kernels.get_ops("cpu")
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
     assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)
-    assert dataclasses.replace(cpu, linear=linear.linear) == REFERENCE_OPS  # only the matmuls differ
+    # only the matmuls and the decode attention differ (tests/test_kernels_cpu_ext.py)
+    reference_parts = dict(linear=linear.linear, paged_attention=attention.paged_attention,
+                           paged_attention_decode=attention.paged_attention_decode)
+    assert dataclasses.replace(cpu, **reference_parts) == REFERENCE_OPS
+    assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (cpu_ext.build() is None)
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
     assert {f.name for f in dataclasses.fields(kernels.Ops)} == {
         "linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",

@@ -1,0 +1,121 @@
+"""Compiled CPU kernels from kernels/csrc, built with the local C++ compiler on first use.
+
+The build is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR` overrides it),
+in a folder named after this machine's CPU features and the torch version, because it is
+compiled with `-march=native`. When it cannot be built the callers keep the torch reference.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels import attention
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+_DTYPES = (torch.float32, torch.bfloat16)
+_STALE_LOCK_S = 900  # a build takes well under a minute; an older lock is a killed build's
+
+
+def _cpu_tag() -> str:
+    """A short hash of what the binary depends on: CPU features, torch version, Python."""
+    features = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            features += next(
+                (line for line in cpuinfo if line.startswith(("flags", "Features"))), ""
+            )
+    except OSError:
+        features += platform.processor()
+    key = f"{features}|{torch.__version__}|{platform.python_version()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _build_directory(name: str) -> Path:
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    directory = Path(root) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    # torch waits forever on the lock file of a build that was killed; clear an old one
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    return directory
+
+
+@functools.cache
+def build() -> str | None:
+    """Build (or load the cached build of) the extension and register its ops.
+
+    Returns None on success, else the error, which is also logged once as a warning.
+    """
+    name = f"splittts_cpu_kernels_{_cpu_tag()}"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_directory(name)),
+            is_python_module=False,
+        )
+    except Exception as exc:  # any failure to build or load means: keep the reference
+        logger.warning("compiled CPU kernels unavailable, using the torch reference: %s", exc)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def paged_attention_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+) -> Tensor:
+    """`attention.paged_attention_decode` reading the paged K/V in place (fp32 and bf16).
+
+    Other dtypes, mixed dtypes and non-CPU tensors go to the reference.
+    """
+    if (q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+            or q.device.type != "cpu"):
+        return attention.paged_attention_decode(
+            q, k_cache, v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale
+        )
+    return torch.ops.splittts_kernels.paged_attention_decode(
+        q.contiguous(), k_cache, v_cache, seq_lens.to(torch.int32).contiguous(),
+        block_tables.to(torch.int32), scale,
+    )
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+) -> Tensor:
+    """`attention.paged_attention` with its single-token sequences on the compiled decode."""
+    return attention.paged_attention(
+        q, k_cache, v_cache, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        block_tables=block_tables, scale=scale, decode=paged_attention_decode,
+    )

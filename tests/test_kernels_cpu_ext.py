@@ -1,0 +1,208 @@
+"""The compiled CPU decode attention (kernels/csrc) against the torch reference."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels import attention, cpu_ext
+from kernels.ops import REFERENCE_OPS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    # a machine that runs the tests has a compiler: a failed build is a failure, not a skip
+    error = cpu_ext.build()
+    assert error is None, f"building the CPU kernels failed: {error}"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def decode_batch(kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32):
+    """Random q and caches; each sequence owns random, shuffled blocks of a larger pool."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    perm = torch.randperm(num_blocks)
+    table = torch.full((len(kv_lens), max(blocks_per_seq) + 2), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return dict(
+        q=torch.randn(len(kv_lens), num_heads, head_dim).to(dtype),
+        k_cache=torch.randn(shape).to(dtype),
+        v_cache=torch.randn(shape).to(dtype),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        block_tables=table,
+    )
+
+
+def both(batch, scale=0.125):
+    compiled = cpu_ext.paged_attention_decode(**batch, scale=scale)
+    reference = attention.paged_attention_decode(**batch, scale=scale)
+    assert compiled.shape == reference.shape and compiled.dtype == reference.dtype
+    return compiled, reference
+
+
+LENGTHS = {
+    "one_token": [1],
+    "block_aligned": [32, 64],
+    "unaligned": [17, 5, 63],
+    "long": [600, 613],
+    "mixed_37": [1 + (i * 53) % 300 for i in range(37)],
+}
+HEADS = [(8, 8), (8, 4), (16, 4), (16, 2)]  # GQA ratios 1, 2, 4, 8
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_reference_fp32(lengths, heads, head_dim, block_size) -> None:
+    compiled, reference = both(decode_batch(LENGTHS[lengths], *heads, head_dim, block_size))
+    torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", ["one_token", "unaligned", "long", "mixed_37"])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_decode_matches_reference_bf16(lengths, head_dim) -> None:
+    batch = decode_batch(LENGTHS[lengths], 16, 4, head_dim, 16, torch.bfloat16)
+    compiled, reference = both(batch)
+    # both round the same fp32-accumulated result to bf16 (reference: SDPA's own kernel)
+    torch.testing.assert_close(compiled.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 72])  # below, between and above vector widths
+def test_decode_head_sizes_off_the_vector_width(head_dim) -> None:
+    compiled, reference = both(decode_batch([3, 40, 19], 4, 2, head_dim, 16))
+    torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_large_scores_and_row_slices() -> None:
+    # large logits exercise the running-max rescaling; a row slice of a larger table and a
+    # non-contiguous q (a slice of heads) are accepted as the model passes them
+    batch = decode_batch([70, 9, 130, 48], 8, 2, 64, 16)
+    batch["q"] = torch.randn(4, 16, 64)[:, ::2] * 30
+    table = batch["block_tables"]
+    batch["block_tables"] = torch.cat([table, torch.zeros_like(table)], dim=1)[:, : table.shape[1]]
+    compiled, reference = both(batch, scale=0.5)
+    torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_same_result_for_any_thread_count(threads) -> None:
+    batch = decode_batch([5, 200, 33, 1, 90], 16, 8, 64, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_ext.paged_attention_decode(**batch, scale=0.2)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, attention.paged_attention_decode(**batch, scale=0.2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_empty_batch() -> None:
+    batch = decode_batch([4], 4, 2, 64, 16)
+    for name in ("q", "seq_lens", "block_tables"):
+        batch[name] = batch[name][:0]
+    assert cpu_ext.paged_attention_decode(**batch, scale=0.1).shape == (0, 4, 64)
+
+
+def test_other_dtypes_use_the_reference() -> None:
+    batch = {k: v.double() if v.is_floating_point() else v
+             for k, v in decode_batch([7, 20], 4, 2, 64, 16).items()}
+    out = cpu_ext.paged_attention_decode(**batch, scale=0.3)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, attention.paged_attention_decode(**batch, scale=0.3))
+
+
+def test_mixed_paged_attention_routes_single_tokens_to_the_compiled_decode(monkeypatch) -> None:
+    calls = []
+    compiled = cpu_ext.paged_attention_decode
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_ext, "paged_attention_decode", counting)
+    q_lens = [1, 4, 1, 1, 3]
+    batch = decode_batch([9, 12, 1, 30, 3], 8, 2, 64, 16)
+    batch["q"] = torch.randn(sum(q_lens), 8, 64)
+    batch["query_start_loc"] = torch.tensor([0, 1, 5, 6, 7, 10], dtype=torch.int32)
+    out = cpu_ext.paged_attention(**batch, scale=0.3)
+    assert calls == [3]
+    torch.testing.assert_close(out, attention.paged_attention(**batch, scale=0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_ops_use_the_compiled_decode() -> None:
+    ops = kernels.get_ops("cpu")
+    assert ops.paged_attention_decode is cpu_ext.paged_attention_decode
+    assert ops.paged_attention is cpu_ext.paged_attention
+    assert REFERENCE_OPS.paged_attention_decode is attention.paged_attention_decode
+    assert REFERENCE_OPS.paged_attention is attention.paged_attention
+
+
+def test_build_failure_falls_back_to_the_reference(monkeypatch, caplog) -> None:
+    from kernels import ops as ops_module
+
+    def failing_load(**kwargs):
+        raise RuntimeError("Error building extension: no compiler")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", failing_load)
+    monkeypatch.setattr(cpu_ext, "build", functools.cache(cpu_ext.build.__wrapped__))
+    with caplog.at_level("WARNING", logger="kernels.cpu_ext"):
+        fallbacks = [ops_module.cpu_ops(), ops_module.cpu_ops()]
+    for fallback in fallbacks:
+        assert fallback.paged_attention_decode is attention.paged_attention_decode
+        assert fallback.paged_attention is attention.paged_attention
+    assert len(caplog.records) == 1 and "no compiler" in caplog.text  # logged once
+
+
+def int32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# case: (argument, how it is spoilt, error type, message)
+BAD_INPUTS = {
+    "q_2d": ("q", lambda t: t[0], ValueError, r"q must be \[batch, num_heads, head_dim\]"),
+    "k_cache_3d": ("k_cache", lambda t: t[0], ValueError, r"k_cache must be \[num_blocks"),
+    "v_cache_shape": ("v_cache", lambda t: t[:, :8], ValueError, "v_cache shape"),
+    "head_dim": ("q", lambda t: t[:, :, :32].contiguous(), ValueError, "head_dim 32 differs"),
+    "num_heads": ("q", lambda t: t[:, :7].contiguous(), ValueError, "num_heads 7 is not a multiple"),
+    "seq_lens_shape": ("seq_lens", lambda t: t[:1], ValueError, r"seq_lens must be \[batch\]"),
+    "block_tables_1d": ("block_tables", lambda t: t[0], ValueError, "block_tables must be"),
+    "seq_len_zero": ("seq_lens", lambda t: int32(5, 0), ValueError, r"seq_lens\[1\] = 0"),
+    "seq_len_past_table": ("seq_lens", lambda t: int32(5, 1000), ValueError, r"seq_lens\[1\] = 1000"),
+    "block_out_of_range": ("block_tables", lambda t: t + 1000, ValueError, r"block_tables\[0, 0\]"),
+    "q_dtype": ("q", lambda t: t.half(), TypeError, "q must be float32 or bfloat16"),
+    "cache_dtype": ("k_cache", lambda t: t.bfloat16(), TypeError, "must have q's dtype"),
+    "seq_lens_dtype": ("seq_lens", lambda t: t.long(), TypeError, "seq_lens must be int32"),
+    "block_tables_dtype": ("block_tables", lambda t: t.long(), TypeError, "block_tables must be int32"),
+    "cache_strided": ("k_cache", lambda t: t.transpose(0, 1).contiguous().transpose(0, 1), RuntimeError,
+                      "must be contiguous"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_inputs_raise_clear_errors(case) -> None:
+    name, spoil, error, message = BAD_INPUTS[case]
+    args = decode_batch([5, 20], 8, 2, 64, 16)
+    args[name] = spoil(args[name])
+    with pytest.raises(error, match=message):
+        torch.ops.splittts_kernels.paged_attention_decode(
+            args["q"], args["k_cache"], args["v_cache"], args["seq_lens"], args["block_tables"], 0.1
+        )
+
+
+def test_python_entry_reports_wrong_dims() -> None:
+    batch = decode_batch([5], 8, 2, 64, 16)
+    batch["q"] = batch["q"][0]
+    with pytest.raises(ValueError, match=r"q must be \[batch, num_heads, head_dim\]"):
+        cpu_ext.paged_attention_decode(**batch, scale=0.1)
