@@ -7,7 +7,10 @@ harmonic signal), with the pretrained universal HiFi-GAN:
   43 Hz token's worth) over one offline forward, same backend;
 - `first_audio_ms`: from the arrival of the input that makes a stream's first chunk ready
   (its frames and right context) to its audio leaving the chunker + backend;
-- throughput of 1, 4 and 8 concurrent streams, their jobs batched into shared forwards.
+- the same two for stateful streaming (`_stateful`: new frames only, each layer's tail carried
+  in the stream's state), and `stateful_vs_windowed_stream` (windowed wall / stateful wall);
+- throughput of 1, 4 and 8 concurrent streams: windowed jobs batched into shared forwards,
+  stateful ones run one after another.
 Repetitions alternate the variants so drifting machine load hits them alike; medians reported.
 
     python -m bench.vocoder [--quick] [--json] [--threads 2] [--seconds S]
@@ -77,6 +80,11 @@ class _Counted:
         self.frames += mel.shape[0] * mel.shape[2]
         return self.backend.run(mel)
 
+    def run_stream(self, mel: np.ndarray, state, final: bool = False):
+        self.calls += 1
+        self.frames += mel.shape[2]
+        return self.backend.run_stream(mel, state, final)
+
 
 def offline(backend: Backend, mel: np.ndarray) -> float:
     t = time.perf_counter()
@@ -84,9 +92,10 @@ def offline(backend: Backend, mel: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
-def streamed(backend: Backend, mel: np.ndarray, policy: ChunkPolicy) -> tuple[float, float, int]:
+def streamed(backend: Backend, mel: np.ndarray, policy: ChunkPolicy,
+             stateful: bool = False) -> tuple[float, float, int]:
     """(wall seconds for the whole stream, first-audio ms, mel frames vocoded incl. context)."""
-    stream = VocoderStream(backend.config, policy=policy)
+    stream = VocoderStream(backend.config, policy=policy, stateful=stateful)
     backend = _Counted(backend)
     first_ms = None
     t0 = time.perf_counter()
@@ -100,9 +109,11 @@ def streamed(backend: Backend, mel: np.ndarray, policy: ChunkPolicy) -> tuple[fl
     return time.perf_counter() - t0, first_ms, backend.frames
 
 
-def concurrent(backend: Backend, mel: np.ndarray, policy: ChunkPolicy, n: int) -> tuple[float, int]:
-    """(wall seconds, forwards) for n streams of the same input arriving together, batched."""
-    streams = [VocoderStream(backend.config, policy=policy) for _ in range(n)]
+def concurrent(backend: Backend, mel: np.ndarray, policy: ChunkPolicy, n: int,
+               stateful: bool = False) -> tuple[float, int]:
+    """(wall seconds, forwards) for n streams of the same input arriving together: windowed
+    jobs batched, stateful ones one after another."""
+    streams = [VocoderStream(backend.config, policy=policy, stateful=stateful) for _ in range(n)]
     counted = _Counted(backend)
     t0 = time.perf_counter()
     for lo in range(0, mel.shape[1] + PUSH_FRAMES, PUSH_FRAMES):
@@ -144,23 +155,29 @@ def main(argv: list[str] | None = None) -> dict:
     mel, source = input_mel(ckpt.config, seconds)
     audio_s = mel.shape[1] * ckpt.config.hop_size / ckpt.config.sampling_rate
     for b in backends.values():
-        b.warmup(mel.shape[1])
+        b.warmup(mel.shape[1], stateful=True)
         streamed(b, mel[:, :40], policy)
 
     off = {k: [] for k in backends}
     st = {k: [] for k in backends}
     first = {k: [] for k in backends}
+    st_stateful, first_stateful = [], []
     for _ in range(reps):
         for k, b in backends.items():  # alternate so load drift hits both alike
             off[k].append(offline(b, mel))
             wall, ms, window_frames = streamed(b, mel, policy)
             st[k].append(wall)
             first[k].append(ms)
+        wall, ms, stateful_frames = streamed(backends["ort"], mel, policy, stateful=True)
+        st_stateful.append(wall)
+        first_stateful.append(ms)
     med = statistics.median
-    conc = {}
+    conc, conc_stateful = {}, {}
     for n in (1, 4, 8):
         wall, forwards = concurrent(backends["ort"], mel, policy, n)
         conc[n] = {"audio_s_per_s": round(n * audio_s / wall, 2), "forwards": forwards}
+        wall, _ = concurrent(backends["ort"], mel, policy, n, stateful=True)
+        conc_stateful[n] = round(n * audio_s / wall, 2)
 
     result = {
         "input": {"source": source, "frames": int(mel.shape[1]), "audio_s": round(audio_s, 2)},
@@ -176,10 +193,15 @@ def main(argv: list[str] | None = None) -> dict:
         "stream_overhead": round(med(st["ort"]) / med(off["ort"]), 3),
         "stream_window_frames_ratio": round(window_frames / mel.shape[1], 3),
         "stream_overhead_torch": round(med(st["torch"]) / med(off["torch"]), 3),
+        "stream_overhead_stateful": round(med(st_stateful) / med(off["ort"]), 3),
+        "stateful_vs_windowed_stream": round(med(st["ort"]) / med(st_stateful), 3),
+        "stream_frames_ratio_stateful": round(stateful_frames / mel.shape[1], 3),
         "first_audio_ms": round(med(first["ort"]), 1),
         "first_audio_ms_torch": round(med(first["torch"]), 1),
+        "first_audio_ms_stateful": round(med(first_stateful), 1),
         "concurrent_streams_audio_s_per_s": {str(n): v["audio_s_per_s"] for n, v in conc.items()},
         "concurrent_streams_forwards": {str(n): v["forwards"] for n, v in conc.items()},
+        "concurrent_streams_audio_s_per_s_stateful": {str(n): v for n, v in conc_stateful.items()},
     }
     result["goals"] = {k: {"goal": f"{op} {v}", "met": (result[k] >= v) if op == ">=" else (result[k] <= v)}
                        for k, (op, v) in GOALS.items()}
