@@ -16,18 +16,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import attention
+from kernels import activation, attention, norm
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "elementwise_cpu.cpp"]
+_HEADERS = [_CSRC / "cpu_math.h"]  # part of the build key: a change rebuilds
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _DTYPES = (torch.float32, torch.bfloat16)
 _STALE_LOCK_S = 900  # a build takes well under a minute; an older lock is a killed build's
 
 
 def _cpu_tag() -> str:
-    """A short hash of what the binary depends on: CPU features, torch version, Python."""
+    """A short hash of what the binary depends on: CPU features, torch, Python, our headers."""
     features = platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -37,7 +39,10 @@ def _cpu_tag() -> str:
     except OSError:
         features += platform.processor()
     key = f"{features}|{torch.__version__}|{platform.python_version()}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(key.encode())
+    for header in _HEADERS:  # torch rebuilds on source changes, not on header changes
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _build_directory(name: str) -> Path:
@@ -119,3 +124,34 @@ def paged_attention(
         q, k_cache, v_cache, query_start_loc=query_start_loc, seq_lens=seq_lens,
         block_tables=block_tables, scale=scale, decode=paged_attention_decode,
     )
+
+
+def _compiled(*tensors: Tensor) -> bool:
+    """The compiled row kernels take CPU tensors of one dtype, fp32 or bf16."""
+    dtype = tensors[0].dtype
+    return dtype in _DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0) -> Tensor:
+    """`norm.rms_norm` in one pass per row."""
+    if not _compiled(x):
+        return norm.rms_norm(x, weight, eps, offset)
+    return torch.ops.splittts_kernels.rms_norm(x.contiguous(), weight, eps, offset)
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """`norm.add_rms_norm` in one pass per row."""
+    if not _compiled(x, residual) or x.shape != residual.shape:
+        return norm.add_rms_norm(x, residual, weight, eps, offset)
+    return torch.ops.splittts_kernels.add_rms_norm(
+        x.contiguous(), residual.contiguous(), weight, eps, offset
+    )
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """`activation.silu_and_mul` in one pass."""
+    if not _compiled(x):
+        return activation.silu_and_mul(x)
+    return torch.ops.splittts_kernels.silu_and_mul(x.contiguous())

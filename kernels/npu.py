@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels import attention, conv, delta_rule, linear, norm
+from kernels import activation, attention, conv, delta_rule, linear, norm
 from kernels.ops import Ops
 
 logger = logging.getLogger(__name__)
@@ -258,6 +258,7 @@ def npu_ops() -> Ops:
     kernels = NpuKernels(import_torch_npu())
     return Ops(
         linear=linear.linear,
+        silu_and_mul=activation.silu_and_mul,
         rms_norm=kernels.rms_norm,
         add_rms_norm=kernels.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,

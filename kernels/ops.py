@@ -1,12 +1,12 @@
 """The `Ops` table and its per-device choice: pure-torch reference on cuda, the reference with
-oneDNN projections and the compiled decode attention on cpu, torch_npu on npu."""
+oneDNN projections and compiled kernels (kernels/csrc) on cpu, torch_npu on npu."""
 
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from kernels import attention, conv, cpu_ext, delta_rule, linear, norm, rotary
+from kernels import activation, attention, conv, cpu_ext, delta_rule, linear, norm, rotary
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,7 @@ class Ops:
     """Kernel entry points for one device type; signatures are the agreed kernel API."""
 
     linear: Callable
+    silu_and_mul: Callable
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
@@ -29,6 +30,7 @@ class Ops:
 
 REFERENCE_OPS = Ops(
     linear=linear.linear,
+    silu_and_mul=activation.silu_and_mul,
     rms_norm=norm.rms_norm,
     add_rms_norm=norm.add_rms_norm,
     gated_rms_norm=norm.gated_rms_norm,
@@ -46,13 +48,16 @@ _chosen: dict[str, Ops] = {}
 
 
 def cpu_ops() -> Ops:
-    """The reference with oneDNN projections and, where it builds, the compiled decode attention."""
+    """The reference with oneDNN projections and, where they build, the compiled kernels (decode
+    attention, RMS norms, SiLU-and-multiply)."""
     ops = REFERENCE_OPS
     if linear.onednn_available():
         ops = replace(ops, linear=linear.onednn_linear)
     if cpu_ext.build() is None:
         ops = replace(ops, paged_attention=cpu_ext.paged_attention,
-                      paged_attention_decode=cpu_ext.paged_attention_decode)
+                      paged_attention_decode=cpu_ext.paged_attention_decode,
+                      rms_norm=cpu_ext.rms_norm, add_rms_norm=cpu_ext.add_rms_norm,
+                      silu_and_mul=cpu_ext.silu_and_mul)
     return ops
 
 

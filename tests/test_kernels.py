@@ -27,19 +27,21 @@ def _seed() -> None:
 
 
 def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
-    from kernels import cpu_ext, linear
+    from kernels import activation, cpu_ext, linear, norm
 
     cpu = kernels.get_ops("cpu")
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
     assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)
-    # only the matmuls and the decode attention differ (tests/test_kernels_cpu_ext.py)
+    # only the matmuls and the compiled kernels differ (tests/test_kernels_cpu_ext.py)
     reference_parts = dict(linear=linear.linear, paged_attention=attention.paged_attention,
-                           paged_attention_decode=attention.paged_attention_decode)
+                           paged_attention_decode=attention.paged_attention_decode,
+                           rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
+                           silu_and_mul=activation.silu_and_mul)
     assert dataclasses.replace(cpu, **reference_parts) == REFERENCE_OPS
     assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (cpu_ext.build() is None)
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
     assert {f.name for f in dataclasses.fields(kernels.Ops)} == {
-        "linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",
+        "linear", "silu_and_mul", "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",
         "paged_attention_decode", "causal_conv1d", "causal_conv1d_update",
         "chunk_gated_delta_rule", "recurrent_gated_delta_rule",
     }  # fmt: skip

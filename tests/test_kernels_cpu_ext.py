@@ -206,3 +206,61 @@ def test_python_entry_reports_wrong_dims() -> None:
     batch["q"] = batch["q"][0]
     with pytest.raises(ValueError, match=r"q must be \[batch, num_heads, head_dim\]"):
         cpu_ext.paged_attention_decode(**batch, scale=0.1)
+
+
+# --- row kernels: RMS norms and SiLU-and-multiply ---------------------------------------------
+
+ROW_TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=0.07, rtol=0.02)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (37, 1024), (2048, 96), (3, 5, 128)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norms_match_reference(dtype, shape, offset) -> None:
+    from kernels import norm
+
+    x = (torch.randn(shape) * 3).to(dtype)
+    residual = torch.randn(shape).to(dtype)
+    weight = (torch.randn(shape[-1]) * 0.1).to(dtype)
+    torch.testing.assert_close(cpu_ext.rms_norm(x, weight, 1e-6, offset),
+                               norm.rms_norm(x, weight, 1e-6, offset), **ROW_TOL[dtype])
+    y, new_residual = cpu_ext.add_rms_norm(x, residual, weight, 1e-6, offset)
+    ref_y, ref_residual = norm.add_rms_norm(x, residual, weight, 1e-6, offset)
+    torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)  # same rounding
+    torch.testing.assert_close(y, ref_y, **ROW_TOL[dtype])
+
+
+def test_rms_norm_of_a_strided_view_and_an_fp32_weight_on_bf16() -> None:
+    from kernels import norm
+
+    qkv = torch.randn(6, 3 * 8 * 64)
+    q = qkv[:, : 8 * 64].view(6, 8, 64)  # rows of a fused projection: not contiguous
+    weight = torch.randn(64)
+    torch.testing.assert_close(cpu_ext.rms_norm(q, weight, 1e-6, 1.0),
+                               norm.rms_norm(q, weight, 1e-6, 1.0), **ROW_TOL[torch.float32])
+    xb = torch.randn(4, 64).bfloat16()
+    torch.testing.assert_close(cpu_ext.rms_norm(xb, weight, 1e-6, 1.0),
+                               norm.rms_norm(xb, weight, 1e-6, 1.0), **ROW_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2), (64, 4608), (3, 7, 34)])
+def test_silu_and_mul_matches_reference(dtype, shape) -> None:
+    from kernels import activation
+
+    x = (torch.randn(shape) * 6).to(dtype)  # large |gate| too: the sigmoid must not overflow
+    x.view(-1)[0] = -100.0
+    torch.testing.assert_close(cpu_ext.silu_and_mul(x), activation.silu_and_mul(x), **ROW_TOL[dtype])
+
+
+def test_row_kernels_are_the_cpu_ops_and_reject_bad_shapes() -> None:
+    cpu = kernels.get_ops("cpu")
+    assert (cpu.rms_norm, cpu.add_rms_norm, cpu.silu_and_mul) == (
+        cpu_ext.rms_norm, cpu_ext.add_rms_norm, cpu_ext.silu_and_mul)
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_ext.rms_norm(torch.randn(4, 64), torch.randn(32), 1e-6, 1.0)
+    with pytest.raises(ValueError, match="last dim must be even"):
+        cpu_ext.silu_and_mul(torch.randn(4, 7))
+    # other dtypes and mixed inputs keep the reference
+    x64 = torch.randn(3, 8, dtype=torch.float64)
+    assert cpu_ext.silu_and_mul(x64).dtype == torch.float64

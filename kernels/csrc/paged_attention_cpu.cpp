@@ -15,6 +15,8 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -25,6 +27,8 @@
 #include <vector>
 
 namespace {
+
+using splittts::exp_nonpositive;
 
 // Vectors of 16, 8 and 4 floats; the compiler splits them where registers are narrower.
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -73,26 +77,6 @@ inline float sum(const float* p, int64_t n) {
   f32x16 s = {};
   for (int64_t i = 0; i < n; i += kLanes) s += load_lanes(p + i, n - i);
   return horizontal_sum(s);
-}
-
-// e^x for x <= 0, without branches so that loops over it vectorise (libm's expf does not).
-// x = n ln2 + r with |r| <= ln2/2; e^r by its Taylor series to degree 7 (relative error
-// below 1e-8 on that range); 2^n built in the exponent bits. Inputs below -87 give e^-87.
-inline float exp_nonpositive(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  x = std::max(x, -87.f);
-  const float n = (x * 1.44269504088896341f + kRound) - kRound;
-  float r = x - n * 0.693145751953125f;  // ln2 split in two so that n * hi is exact
-  r = r - n * 1.42860682030941723e-6f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
 }
 
 // n values as fp32: fp32 rows are used where they lie, bf16 rows are widened into `buffer`.

@@ -104,12 +104,12 @@ class GatedMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        self.ops = ops
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], ops=ops)
         self.down_proj = Linear(intermediate_size, hidden_size, ops=ops)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class RotaryEmbedding:

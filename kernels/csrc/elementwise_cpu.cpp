@@ -1,0 +1,165 @@
+// Row-wise CPU kernels that fuse what the torch reference does in several passes over memory:
+// RMS norm (with the residual add), and SiLU-and-multiply of a fused gate/up projection.
+// fp32 and bf16 tensors; all arithmetic in fp32. Rows are split across torch's intra-op threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 16;  // below this much work one thread does it all
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return float(x); }
+
+void check_rows(const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": ", name, " must be on cpu, got ", x.device());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": ", name,
+                   " must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous(), op, ": ", name,
+                    " must be contiguous with at least one dim, got sizes ", x.sizes());
+}
+
+// The norm weight as fp32 with the offset added: (offset + w).
+std::vector<float> norm_scale(const at::Tensor& weight, int64_t dim, double offset, const char* op) {
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == dim, op, ": weight must be [", dim, "], got ",
+                    weight.sizes());
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const float* p = w.const_data_ptr<float>();
+  std::vector<float> scale(dim);
+  for (int64_t i = 0; i < dim; ++i) scale[i] = float(offset) + p[i];
+  return scale;
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * scale over rows of `dim`; x is read from `src`, which for the
+// residual form is the fp32 sum written first.
+template <typename in_t, typename out_t>
+inline void norm_row(const in_t* src, out_t* dst, const float* scale, int64_t dim, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < dim; ++i) {
+    const float v = to_float(src[i]);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / float(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) dst[i] = out_t(to_float(src[i]) * inv * scale[i]);
+}
+
+template <typename scalar_t>
+void rms_norm_impl(const at::Tensor& x, const std::vector<float>& scale, float eps, at::Tensor& out) {
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  const scalar_t* in = x.const_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(in + r * dim, o + r * dim, scale.data(), dim, eps);
+  });
+}
+
+template <typename scalar_t>
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const std::vector<float>& scale,
+                       float eps, at::Tensor& out, at::Tensor& new_residual) {
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  const scalar_t* a = x.const_data_ptr<scalar_t>();
+  const scalar_t* b = residual.const_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  scalar_t* res = new_residual.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      // the sum is rounded to the tensor dtype first, as `x + residual` is in the reference
+      for (int64_t i = 0; i < dim; ++i)
+        res[r * dim + i] = scalar_t(to_float(a[r * dim + i]) + to_float(b[r * dim + i]));
+      norm_row(res + r * dim, o + r * dim, scale.data(), dim, eps);
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  check_rows(x, "rms_norm", "x");
+  const auto scale = norm_scale(weight, x.size(-1), offset, "rms_norm");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_impl<float>(x, scale, float(eps), out);
+  else
+    rms_norm_impl<c10::BFloat16>(x, scale, float(eps), out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, double offset) {
+  check_rows(x, "add_rms_norm", "x");
+  check_rows(residual, "add_rms_norm", "residual");
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+                    "add_rms_norm: residual must match x (", x.sizes(), ", ", x.scalar_type(), "), got ",
+                    residual.sizes(), ", ", residual.scalar_type());
+  const auto scale = norm_scale(weight, x.size(-1), offset, "add_rms_norm");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor new_residual = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return {out, new_residual};
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_impl<float>(x, residual, scale, float(eps), out, new_residual);
+  else
+    add_rms_norm_impl<c10::BFloat16>(x, residual, scale, float(eps), out, new_residual);
+  return {out, new_residual};
+}
+
+// silu(g) = g * sigmoid(g), sigmoid from e^-|g| so that the exponential never overflows.
+inline float silu(float g) {
+  const float t = splittts::exp_nonpositive(-std::fabs(g));
+  const float sigmoid = (g >= 0.f ? 1.f : t) / (1.f + t);
+  return g * sigmoid;
+}
+
+template <typename scalar_t>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t width = out.size(-1), rows = out.numel() / width;
+  const scalar_t* in = x.const_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* gate = in + r * 2 * width;
+      const scalar_t* up = gate + width;
+      scalar_t* dst = o + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) dst[i] = scalar_t(silu(to_float(gate[i])) * to_float(up[i]));
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul", "x");
+  TORCH_CHECK_VALUE(x.size(-1) % 2 == 0, "silu_and_mul: x's last dim must be even (gate then up), got ",
+                    x.size(-1));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() /= 2;
+  at::Tensor out = at::empty(shape, x.options());
+  if (out.numel() == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    silu_and_mul_impl<float>(x, out);
+  else
+    silu_and_mul_impl<c10::BFloat16>(x, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
