@@ -258,6 +258,7 @@ def npu_ops() -> Ops:
     kernels = NpuKernels(import_torch_npu())
     return Ops(
         linear=linear.linear,
+        pack_linear_weight=linear.keep_weight,
         silu_and_mul=activation.silu_and_mul,
         rms_norm=kernels.rms_norm,
         add_rms_norm=kernels.add_rms_norm,

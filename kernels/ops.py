@@ -14,6 +14,7 @@ class Ops:
     """Kernel entry points for one device type; signatures are the agreed kernel API."""
 
     linear: Callable
+    pack_linear_weight: Callable  # at load: a weight in the layout `linear` runs fastest on
     silu_and_mul: Callable
     rms_norm: Callable
     add_rms_norm: Callable
@@ -30,6 +31,7 @@ class Ops:
 
 REFERENCE_OPS = Ops(
     linear=linear.linear,
+    pack_linear_weight=linear.keep_weight,
     silu_and_mul=activation.silu_and_mul,
     rms_norm=norm.rms_norm,
     add_rms_norm=norm.add_rms_norm,
@@ -52,7 +54,7 @@ def cpu_ops() -> Ops:
     attention, RMS norms, SiLU-and-multiply)."""
     ops = REFERENCE_OPS
     if linear.onednn_available():
-        ops = replace(ops, linear=linear.onednn_linear)
+        ops = replace(ops, linear=linear.onednn_linear, pack_linear_weight=linear.pack_weight)
     if cpu_ext.build() is None:
         ops = replace(ops, paged_attention=cpu_ext.paged_attention,
                       paged_attention_decode=cpu_ext.paged_attention_decode,

@@ -302,3 +302,39 @@ def _word_tokenizer(tmp_path: Path) -> Path:
     out = tmp_path / "tokenizer.json"
     tokenizer.save(str(out))
     return out
+
+
+WIDE = {  # every projection holds >= 2^20 weights, so the CPU path packs it
+    "dense": ("qwen3", dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024,
+                            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
+                            head_dim=64, tie_word_embeddings=False)),
+    "hybrid": ("qwen3_5", dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024,
+                               layer_types=[LIN, "full_attention"], num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
+                               linear_num_value_heads=4, linear_key_head_dim=128,
+                               linear_value_head_dim=128, tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_cpu_projections_are_packed_once_and_match_hf(name, tmp_path):
+    """On CPU every projection big enough for oneDNN runs on a weight blocked once at load (a
+    tied LM head on its own copy, the embedding table untouched); greedy tokens equal HF's."""
+    from kernels.linear import ONEDNN_MIN_MACS
+    from text_service.models.layers import Linear
+
+    kind, overrides = WIDE[name]
+    path = make_tiny_model(tmp_path, kind, **overrides)
+    wide = Tiny(name, path, load_hf_model(path))
+    engine = wide.engine()
+    model = engine.runner.model
+    linears = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    assert sum(w.is_mkldnn for w in linears) >= 6
+    assert all(w.is_mkldnn == (w.numel() >= ONEDNN_MIN_MACS) for w in linears)
+    assert model.tie_word_embeddings == (name == "hybrid")  # one of each
+    if model.tie_word_embeddings:
+        assert model._tied_head is not None and model._tied_head.is_mkldnn
+    assert not model.model.embed_tokens.weight.is_mkldnn
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert run(engine, [(0, PROMPT_A, params), (1, PROMPT_C, params)]) == {
+        0: wide.greedy(PROMPT_A, 24), 1: wide.greedy(PROMPT_C, 24)}

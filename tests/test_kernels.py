@@ -33,7 +33,8 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
     assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)
     # only the matmuls and the compiled kernels differ (tests/test_kernels_cpu_ext.py)
-    reference_parts = dict(linear=linear.linear, paged_attention=attention.paged_attention,
+    reference_parts = dict(linear=linear.linear, pack_linear_weight=linear.keep_weight,
+                           paged_attention=attention.paged_attention,
                            paged_attention_decode=attention.paged_attention_decode,
                            rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
                            silu_and_mul=activation.silu_and_mul)
@@ -41,7 +42,7 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
     assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (cpu_ext.build() is None)
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
     assert {f.name for f in dataclasses.fields(kernels.Ops)} == {
-        "linear", "silu_and_mul", "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",
+        "linear", "pack_linear_weight", "silu_and_mul", "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",
         "paged_attention_decode", "causal_conv1d", "causal_conv1d_update",
         "chunk_gated_delta_rule", "recurrent_gated_delta_rule",
     }  # fmt: skip
@@ -83,6 +84,24 @@ def test_onednn_linear_matches_reference(shape, onednn, bias, monkeypatch) -> No
     close(linear.onednn_linear(xh, wh).float(), linear.linear(xh, wh).float(), tol=5e-2)
     x64 = x.double()  # not a oneDNN dtype: falls back
     assert linear.onednn_linear(x64, w.double()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_packed_weights_match_and_small_ones_stay(rows) -> None:
+    from kernels import linear
+
+    if not linear.onednn_available():
+        pytest.skip("this torch has no oneDNN matmul")
+    w, b = torch.randn(2048, 1024), torch.randn(2048)
+    packed = linear.pack_weight(w)
+    assert packed.is_mkldnn and packed.shape == w.shape
+    x = torch.randn(rows, 1024)
+    close(linear.onednn_linear(x, packed, b), linear.linear(x, w, b), tol=1e-4)
+    close(linear.onednn_linear(x.bfloat16(), linear.pack_weight(w.bfloat16())).float(),
+          linear.linear(x, w), tol=0.3)
+    small = torch.randn(64, 256)  # under ONEDNN_MIN_MACS even as a weight: F.linear keeps it
+    assert linear.pack_weight(small) is small and linear.pack_weight(w.double()).dtype == torch.float64
+    assert linear.keep_weight(w) is w
 
 
 # --- norms -----------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model = load_model(model_dir, device=self.device, dtype=dtype,
                                 max_positions=max_model_len)
+        self.model.pack_weights()
         self.dtype = self.model.dtype
         self.vocab_size = self.model.config.vocab_size
         self.is_hybrid = bool(self.model.linear_attention_layers())

@@ -26,6 +26,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ops=ops)
+        self._tied_head: Tensor | None = None  # the embeddings in the LM head's layout, once packed
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids/positions [T] of all sequences in the step -> final hidden states [T, hidden]."""
@@ -34,8 +35,21 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits [n, vocab] of the rows ``get_context().logits_indices`` of ``hidden``."""
         hidden = hidden[get_context().logits_indices]
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        if self.tie_word_embeddings:
+            weight = self.model.embed_tokens.weight if self._tied_head is None else self._tied_head
+        else:
+            weight = self.lm_head.weight
         return self.model.ops.linear(hidden, weight).float()
+
+    def pack_weights(self) -> None:
+        """Put every projection in `ops.pack_linear_weight`'s layout, once, after loading (a tied
+        LM head gets its own copy; the embedding lookup keeps the table)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        if self.tie_word_embeddings:
+            packed = self.model.ops.pack_linear_weight(self.model.embed_tokens.weight)
+            self._tied_head = None if packed is self.model.embed_tokens.weight else packed
 
     @property
     def dtype(self) -> torch.dtype:

@@ -39,6 +39,14 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
+    def pack_weight(self) -> None:
+        """Swap the loaded weight for `ops.pack_linear_weight`'s layout (inference only: the
+        packed weight is no longer a parameter)."""
+        packed = self.ops.pack_linear_weight(self.weight)
+        if packed is not self.weight:
+            del self.weight
+            self.weight = packed
+
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim (one matmul)."""
