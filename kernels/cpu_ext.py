@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import activation, attention, norm
+from kernels import activation, attention, norm, rotary as rope
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +155,18 @@ def silu_and_mul(x: Tensor) -> Tensor:
     if not _compiled(x):
         return activation.silu_and_mul(x)
     return torch.ops.splittts_kernels.silu_and_mul(x.contiguous())
+
+
+def rotary(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, rotary_dim: int
+) -> tuple[Tensor, Tensor]:
+    """`rotary.rotary` in one pass per token, the table looked up inside."""
+    if not _compiled(q, k) or q.dim() != 3 or k.dim() != 3 or cos_sin_cache.dtype != torch.float32:
+        return rope.rotary(positions, q, k, cos_sin_cache, rotary_dim)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    return torch.ops.splittts_kernels.rotary(
+        positions.long().contiguous(), q, k, cos_sin_cache.contiguous(), rotary_dim
+    )

@@ -338,3 +338,11 @@ def test_cpu_projections_are_packed_once_and_match_hf(name, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert run(engine, [(0, PROMPT_A, params), (1, PROMPT_C, params)]) == {
         0: wide.greedy(PROMPT_A, 24), 1: wide.greedy(PROMPT_C, 24)}
+
+
+def test_cpu_runner_keeps_freed_heap_for_reuse():
+    """glibc accepts the settings that stop each prefill step's activations from being unmapped
+    on free and faulted in again on the next step."""
+    from text_service.model_runner import retain_freed_memory
+
+    assert retain_freed_memory() is True

@@ -27,7 +27,7 @@ def _seed() -> None:
 
 
 def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
-    from kernels import activation, cpu_ext, linear, norm
+    from kernels import activation, cpu_ext, linear, norm, rotary
 
     cpu = kernels.get_ops("cpu")
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
@@ -37,7 +37,7 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
                            paged_attention=attention.paged_attention,
                            paged_attention_decode=attention.paged_attention_decode,
                            rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
-                           silu_and_mul=activation.silu_and_mul)
+                           silu_and_mul=activation.silu_and_mul, rotary=rotary.rotary)
     assert dataclasses.replace(cpu, **reference_parts) == REFERENCE_OPS
     assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (cpu_ext.build() is None)
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS

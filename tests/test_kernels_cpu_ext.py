@@ -264,3 +264,22 @@ def test_row_kernels_are_the_cpu_ops_and_reject_bad_shapes() -> None:
     # other dtypes and mixed inputs keep the reference
     x64 = torch.randn(3, 8, dtype=torch.float64)
     assert cpu_ext.silu_and_mul(x64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 32), (80, 80)])
+def test_rotary_matches_reference(dtype, head_dim, rotary_dim) -> None:
+    from kernels import rotary
+
+    cache = kernels.rope_cache(rotary_dim, 600, 10000.0)
+    positions = torch.tensor([0, 599, 17, 17, 300])
+    qkv = torch.randn(5, (8 + 2 + 2) * head_dim).to(dtype)
+    q = qkv[:, : 8 * head_dim].view(5, 8, head_dim)  # strided rows, as split from a fused matmul
+    k = qkv[:, 8 * head_dim : 10 * head_dim].view(5, 2, head_dim)
+    got = cpu_ext.rotary(positions, q, k, cache, rotary_dim)
+    want = rotary.rotary(positions, q, k, cache, rotary_dim)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **ROW_TOL[dtype])
+    assert kernels.get_ops("cpu").rotary is cpu_ext.rotary
+    with pytest.raises(ValueError, match="outside the cos/sin table"):
+        cpu_ext.rotary(torch.tensor([0, 1, 2, 3, 600]), q, k, cache, rotary_dim)

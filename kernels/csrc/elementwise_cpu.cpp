@@ -1,5 +1,6 @@
 // Row-wise CPU kernels that fuse what the torch reference does in several passes over memory:
-// RMS norm (with the residual add), and SiLU-and-multiply of a fused gate/up projection.
+// RMS norm (with the residual add), SiLU-and-multiply of a fused gate/up projection, and
+// NeoX rotary embedding of q and k.
 // fp32 and bf16 tensors; all arithmetic in fp32. Rows are split across torch's intra-op threads.
 
 #include <ATen/Parallel.h>
@@ -150,16 +151,86 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Rotate-half on the first `rot` dims of each head of one [T, heads, D] tensor (rows may be
+// strided; the head dim must be contiguous) into a contiguous output.
+template <typename scalar_t>
+void rotary_impl(const at::Tensor& x, const int64_t* positions, const float* cache, int64_t rot,
+                 at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = rot / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  const scalar_t* in = x.const_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kGrainElements / (heads * dim)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cache + positions[t] * rot;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* src = in + t * s0 + h * s1;
+        scalar_t* dst = o + (t * heads + h) * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+          dst[i] = scalar_t(x1 * cos[i] - x2 * sin[i]);
+          dst[i + half] = scalar_t(x2 * cos[i] + x1 * sin[i]);
+        }
+        for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& cos_sin_cache, int64_t rotary_dim) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+                    "rotary: q and k must be [tokens, heads, head_dim] with equal tokens and head_dim, got ",
+                    q.sizes(), " and ", k.sizes());
+  TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= q.size(2),
+                    "rotary: rotary_dim must be even and in (0, head_dim], got ", rotary_dim);
+  TORCH_CHECK_VALUE(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == rotary_dim &&
+                        cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+                    "rotary: cos_sin_cache must be contiguous float32 [positions, rotary_dim], got ",
+                    cos_sin_cache.sizes(), " ", cos_sin_cache.scalar_type());
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == q.size(0) &&
+                        positions.scalar_type() == at::kLong && positions.is_contiguous(),
+                    "rotary: positions must be contiguous int64 [tokens], got ", positions.sizes(), " ",
+                    positions.scalar_type());
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type() &&
+                         (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+                     "rotary: q and k must both be float32 or bfloat16, got ", q.scalar_type(), " and ",
+                     k.scalar_type());
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->stride(2) == 1, "rotary: q and k must be cpu tensors "
+                      "with a contiguous head_dim");
+  }
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t max_pos = cos_sin_cache.size(0);
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_pos, "rotary: positions[", t, "] = ", pos[t],
+                      " is outside the cos/sin table of ", max_pos, " positions");
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  const float* cache = cos_sin_cache.const_data_ptr<float>();
+  if (q.scalar_type() == at::kFloat) {
+    rotary_impl<float>(q, pos, cache, rotary_dim, q_out);
+    rotary_impl<float>(k, pos, cache, rotary_dim, k_out);
+  } else {
+    rotary_impl<c10::BFloat16>(q, pos, cache, rotary_dim, q_out);
+    rotary_impl<c10::BFloat16>(k, pos, cache, rotary_dim, k_out);
+  }
+  return {q_out, k_out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, int rotary_dim) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
 }
