@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from servicekit.memory import retain_freed_memory  # noqa: E402
 from vocoder_service.backends import Backend, OnnxBackend, TorchBackend  # noqa: E402
 from vocoder_service.checkpoint import resolve_checkpoint  # noqa: E402
 from vocoder_service.mel import MelSpectrogram  # noqa: E402
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = args.seconds or 5.0
     reps = 3 if args.quick else 5
     torch.set_num_threads(args.threads)
+    retain_freed_memory()  # as vocoder-service does: torch is not timed paying page faults
     policy = ChunkPolicy(args.first_chunk, args.growth, args.cap)
 
     ckpt = resolve_checkpoint()

@@ -343,6 +343,6 @@ def test_cpu_projections_are_packed_once_and_match_hf(name, tmp_path):
 def test_cpu_runner_keeps_freed_heap_for_reuse():
     """glibc accepts the settings that stop each prefill step's activations from being unmapped
     on free and faulted in again on the next step."""
-    from text_service.model_runner import retain_freed_memory
+    from servicekit.memory import retain_freed_memory
 
     assert retain_freed_memory() is True

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from servicekit.memory import retain_freed_memory
 from text_service.config import EngineConfig
 from text_service.context import Context, reset_context, set_context
 from text_service.loader import load_model
@@ -64,23 +63,6 @@ class _SeqArrays:
             self.tokens[self.num_tokens:n] = ids[self.num_tokens:]
             self.num_tokens = n
         return self.tokens[:n]
-
-
-def retain_freed_memory() -> bool:
-    """Let glibc keep large freed blocks for reuse instead of returning them to the OS.
-
-    By default glibc maps every block over its dynamic threshold (at most 32 MiB) afresh and
-    unmaps it on free, so each prefill step's activations (a 2048-token MLP output is 38 MB in
-    fp32) fault their pages in again: 10% of a prefill step on the project's CPU. The process
-    keeps its peak heap instead. Returns False where the C library is not glibc.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 class ModelRunner:

@@ -58,6 +58,7 @@ def load(args: argparse.Namespace):
     import torch
 
     from servicekit.device import select_device
+    from servicekit.memory import retain_freed_memory
     from vocoder_service.backends import OnnxBackend, TorchBackend
     from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import VocoderVoice, load_voice
@@ -71,6 +72,7 @@ def load(args: argparse.Namespace):
         voices = [load_voice(d) for d in dirs]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    retain_freed_memory()  # torch eager reuses its large buffers instead of faulting them in
     backends, by_generator = {}, {}
     for voice in voices:
         key = voice.generator.fingerprint
