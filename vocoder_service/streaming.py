@@ -33,11 +33,18 @@ from torch import Tensor, nn
 from vocoder_service.hifigan import LRELU_SLOPE, Generator, ResBlock1
 
 
-class _Conv:
+class _Layer:
+    """A conv's weights as height-1 2-D kernels."""
+
     def __init__(self, conv: nn.Module):
         w = conv.weight.detach()
         self.weight = w if w.dim() == 4 else w.unsqueeze(2)
         self.bias = conv.bias.detach()
+
+
+class _Conv(_Layer):
+    def __init__(self, conv: nn.Module):
+        super().__init__(conv)
         self.dilation = conv.dilation[-1]
         self.half = (conv.kernel_size[-1] - 1) * self.dilation // 2
 
@@ -52,11 +59,9 @@ class _Conv:
         return F.conv2d(xc, self.weight, self.bias, dilation=(1, self.dilation))
 
 
-class _ConvTranspose:
+class _ConvTranspose(_Layer):
     def __init__(self, conv: nn.Module):
-        w = conv.weight.detach()
-        self.weight = w if w.dim() == 4 else w.unsqueeze(2)
-        self.bias = conv.bias.detach()
+        super().__init__(conv)
         self.stride = conv.stride[-1]
         self.padding = conv.padding[-1]
         self.history = math.ceil(conv.kernel_size[-1] / self.stride) - 1  # input columns kept
