@@ -2,7 +2,7 @@
 # code, system packages) and skips what is already there.
 PY      := .venv/bin/python
 PROTOS  := $(shell find protos -name '*.proto')
-SYSPKGS := espeak-ng flite chromium
+SYSPKGS := espeak-ng flite chromium g++
 
 .PHONY: demo test setup sysdeps protos clean
 
@@ -33,7 +33,8 @@ splittts/.generated: $(PROTOS) protos/generate.py .venv/.installed
 protos: splittts/.generated
 
 # System packages the tests use, installed when missing: flite / espeak-ng (real speech, G2P),
-# chromium (browser tests of the web demo) and a CJK font for its screenshots.
+# chromium (browser tests of the web demo), g++ (the CPU kernels in kernels/csrc, built on first
+# use) and a CJK font for its screenshots.
 sysdeps:
 	@missing=""; for p in $(SYSPKGS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
 	fc-list 2>/dev/null | grep -qi wqy || missing="$$missing fonts-wqy-zenhei"; \
