@@ -305,7 +305,8 @@ class OnnxBackend(Backend):
                 sessions.append(ort.InferenceSession(str(path), self._opts,
                                                      providers=self._providers))
             dtype = torch.float16 if self.fp16 else torch.float32
-            streamer = StreamingGenerator(Generator(self.config))  # only for the state shapes
+            with torch.device("meta"):  # only the layer shapes are read
+                streamer = StreamingGenerator(Generator(self.config))
             self._initial_state = [t.numpy() for t in streamer.initial_state(1, dtype)]
             self._state_names = [i.name for i in sessions[0].get_inputs()][1:]
             self._stream_sessions = tuple(sessions)

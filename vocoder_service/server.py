@@ -34,11 +34,15 @@ class VocoderLimits:
     max_stream_frames: int = 22050 * 600 // 256  # ten minutes of audio
 
 
+def _on_cpu(backend: Backend) -> bool:
+    return "cpu" in backend.device.lower()
+
+
 def default_batch_frames(backend: Backend) -> int:
     """Window frames per forward. A forward cannot be interrupted, so this bounds how long a new
     stream's first chunk waits: 64 frames of HiFi-GAN V1 take about 0.18 s on one CPU core.
     Accelerators batch far more for about the same time."""
-    return 64 if "cpu" in backend.device.lower() else 1024
+    return 64 if _on_cpu(backend) else 1024
 
 
 STREAMING_MODES = ("auto", "stateful", "windowed")
@@ -47,14 +51,14 @@ STREAMING_MODES = ("auto", "stateful", "windowed")
 def default_stateful(backend: Backend) -> bool:
     """Stateful streaming on CPU, where work saved is time saved; windowed on accelerators,
     where one batched forward over many streams' windows costs about as much as one."""
-    return "cpu" in backend.device.lower()
+    return _on_cpu(backend)
 
 
 def default_first_batch(backend: Backend) -> int:
     """Streams' first jobs per forward while any waits. One CPU core takes as long for four
     first chunks in one forward as for four in a row, so batching them only delays the first
     three; accelerators run a batch in about the time of one job."""
-    return 1 if "cpu" in backend.device.lower() else 32
+    return 1 if _on_cpu(backend) else 32
 
 
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):

@@ -82,8 +82,12 @@ class Job:
     pad_left_ok: bool  # full left context: frames added on the left change nothing kept
     pad_right_ok: bool
     ready_at: float  # perf_counter() of the input that made this job ready
-    stateful: bool = False  # new frames only, through the stream's state
     final: bool = False  # stateful: end of input (or a boundary): the held-back tail comes out
+
+    @property
+    def stateful(self) -> bool:
+        """New frames only, through the stream's state."""
+        return self.stream.stateful
 
     @property
     def window_frames(self) -> int:
@@ -94,10 +98,6 @@ class Job:
         """Frames of generator work: the window, or the new frames plus a final call's tail."""
         tail = self.stream.context_right if self.final else 0
         return self.window_frames + tail
-
-    @property
-    def first_sample(self) -> int:
-        return self.first_frame * self.hop_size
 
     @property
     def num_samples(self) -> int:
@@ -342,12 +342,12 @@ class VocoderStream:
 
     def _make_stateful_job(self, count: int, final: bool = False) -> Job:
         first, end = self._scheduled, self._scheduled + count
-        job = Job(stream=self, index=self._next_job, mel=self._mel[:, first - self._mel_base:
-                                                                   end - self._mel_base],
-                  window_start=first, first_frame=first, num_frames=count,
-                  hop_size=self.config.hop_size, pad_left_ok=False, pad_right_ok=False,
+        mel = self._mel[:, first - self._mel_base:end - self._mel_base]
+        job = Job(stream=self, index=self._next_job, mel=mel, window_start=first,
+                  first_frame=first, num_frames=count, hop_size=self.config.hop_size,
+                  pad_left_ok=False, pad_right_ok=False,
                   ready_at=self._flushed_at if self.ended and final else self._ready_time(end),
-                  stateful=True, final=final)
+                  final=final)
         self._next_job += 1
         self._scheduled = end
         self._fresh = final  # after a final job the next one starts from a fresh state
@@ -378,9 +378,10 @@ def vocode_jobs(backend: Backend, jobs: list[Job], *, max_batch: int = 64,
     stateful job's emitted samples.
 
     Stateful jobs run one by one in list order, each on its stream's state. Windowed jobs go in
-    as few forwards as possible: windows of equal length share a forward; a shorter one joins a longer group when it may be
-    padded on a side where it already has full context (which leaves its kept samples unchanged)
-    and the padding wastes at most `max_pad_ratio` of its length.
+    as few forwards as possible: windows of equal length share a forward; a shorter one joins a
+    longer group when it may be padded on a side where it already has full context (which
+    leaves its kept samples unchanged) and the padding wastes at most `max_pad_ratio` of its
+    length.
     """
     out: list[np.ndarray | None] = [None] * len(jobs)
     for i, job in enumerate(jobs):  # in order: a stream's jobs build on each other's state
