@@ -14,9 +14,11 @@ class RecipeConfig:
     out: Path = Path("voices/default")
     seed: int = 1234
     workers: int = 2
-    en_train: int = 6000
-    en_eval: int = 200
-    zh_train: int = 1500
+    en_train_natural: int = 4000  # the last 100 are the validation slice
+    en_train_templates: int = 1500  # numbers, money and questions
+    en_eval: int = 200  # per held-out set: templates and natural
+    zh_train_natural: int = 820  # the last 40 are the validation slice
+    zh_train_templates: int = 700
     zh_eval: int = 200
     frames_per_token: int = 2
     codebook_size: int = 1024

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import subprocess
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from recipes.default_voice import natural
 from recipes.default_voice.config import RecipeConfig
 from recipes.default_voice.corpus import chinese_corpus, english_corpus, to_pinyin
 from recipes.default_voice.teacher import (SAMPLE_RATE, EspeakLib, Utterance, durations_for, flite_synth,
@@ -67,17 +69,31 @@ def make_utterance(item: tuple[str, str, int]) -> Utterance | None:
 
 
 def sentences(cfg: RecipeConfig) -> dict[str, list[str]]:
-    """Split name -> teacher texts (held-out sets are disjoint from training)."""
-    en = english_corpus(cfg.en_train + cfg.en_eval, seed=cfg.seed)
-    zh = chinese_corpus(cfg.zh_train + cfg.zh_eval, seed=cfg.seed + 1)
-    zh = [to_pinyin(s) for s in zh]
-    return {"en_eval": [t for t, _ in en[:cfg.en_eval]], "en_train": [t for t, _ in en[cfg.en_eval:]],
-            "zh_eval": zh[:cfg.zh_eval], "zh_train": zh[cfg.zh_eval:]}
+    """Split name -> teacher texts. Training is mostly natural text (`natural.py`) with templates
+    kept for numbers and money; its last sentences (the validation slice) are natural. Held-out
+    sets: `*_eval` from the templates, `*_natural` from sources the training never reads."""
+    en = english_corpus(cfg.en_train_templates + cfg.en_eval, seed=cfg.seed)
+    zh = chinese_corpus(cfg.zh_train_templates + cfg.zh_eval, seed=cfg.seed + 1)
+    en_nat = natural.english_training(cfg.en_train_natural, seed=cfg.seed)
+    zh_nat = natural.chinese_training(cfg.zh_train_natural, seed=cfg.seed)
+    rng = random.Random(cfg.seed)
+    en_train = [t for t, _ in en[cfg.en_eval:]] + en_nat[:-100]
+    zh_train = zh[cfg.zh_eval:] + zh_nat[:-40]
+    rng.shuffle(en_train)
+    rng.shuffle(zh_train)
+    return {"en_train": en_train + en_nat[-100:], "zh_train": [to_pinyin(s) for s in zh_train + zh_nat[-40:]],
+            "en_natural": natural.english_held_out(cfg.en_eval, seed=cfg.seed),
+            "zh_natural": [to_pinyin(s) for s in natural.chinese_held_out(cfg.zh_eval, seed=cfg.seed)],
+            "en_eval": [t for t, _ in en[:cfg.en_eval]], "zh_eval": [to_pinyin(s) for s in zh[:cfg.zh_eval]]}
 
 
 def spoken_english(cfg: RecipeConfig) -> dict[str, str]:
-    """Teacher text -> words as read aloud (numbers spelled out), for WER references."""
-    return dict(english_corpus(cfg.en_train + cfg.en_eval, seed=cfg.seed))
+    """Teacher text -> words as read aloud (numbers spelled out), for WER references; natural
+    sentences hold no digits, so they read as written."""
+    spoken = dict(english_corpus(cfg.en_train_templates + cfg.en_eval, seed=cfg.seed))
+    for text in natural.english_held_out(cfg.en_eval, seed=cfg.seed):
+        spoken.setdefault(text, text)
+    return spoken
 
 
 def build_teacher_data(cfg: RecipeConfig, shard_size: int = 500) -> None:
