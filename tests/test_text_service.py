@@ -125,6 +125,20 @@ BAD = {
                               "stop_token_ids: id"),
     "bad allowed range": (dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=4,
                                allowed_tokens=pb.TokenRange(start=10, end=5)), "allowed_tokens"),
+    "phoneme sync without phonemes": (dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=40, phoneme_sync=pb.PhonemeSync(
+        speech_tokens=pb.TokenRange(start=100, end=255), end_token_id=3, max_tokens_per_phoneme=4)),
+        "phoneme_sync.phoneme_ids: must not be empty"),
+    "phoneme id outside vocab": (dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=40, phoneme_sync=pb.PhonemeSync(
+        phoneme_ids=[5, VOCAB + 1], speech_tokens=pb.TokenRange(start=100, end=255), end_token_id=3,
+        max_tokens_per_phoneme=4)), "phoneme_sync.phoneme_ids: id 257 is outside the vocabulary"),
+    "phoneme sync budget zero": (dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=40, phoneme_sync=pb.PhonemeSync(
+        phoneme_ids=[5, 6], speech_tokens=pb.TokenRange(start=100, end=255), end_token_id=3)),
+        "phoneme_sync.max_tokens_per_phoneme: must be > 0"),
+    "phoneme sync without speech range": (dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=40, phoneme_sync=pb.PhonemeSync(
+        phoneme_ids=[5, 6], end_token_id=3, max_tokens_per_phoneme=4)), "phoneme_sync.speech_tokens: is required"),
+    "phoneme sync beyond max_tokens": (dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=5, phoneme_sync=pb.PhonemeSync(
+        phoneme_ids=[5, 6], speech_tokens=pb.TokenRange(start=100, end=255), end_token_id=3,
+        min_tokens=[4, 4], max_tokens=[4, 4])), "max_tokens: 5 cannot hold the constrained output"),
 }
 
 
@@ -149,6 +163,18 @@ def wait_idle(service, timeout: float = 20.0) -> pb.ModelInfo:
         if idle or time.monotonic() > deadline:
             return mi
         time.sleep(0.05)
+
+
+def test_phoneme_sync_streams_the_phonemes_in_order(service):
+    sync = pb.PhonemeSync(phoneme_ids=[5, 9, 5, 12], speech_tokens=pb.TokenRange(start=100, end=255),
+                          end_token_id=3, min_tokens=[2, 0, 1, 3], max_tokens=[2, 4, 5, 3])
+    for sampling in (pb.SamplingConfig(temperature=0), pb.SamplingConfig(temperature=1.0, seed=4)):
+        tokens, last, _ = generate(service, token_ids=pb.TokenIds(ids=[1, 7, 9, 2]), max_tokens=60,
+                                   phoneme_sync=sync, sampling=sampling)
+        assert last.finish_reason == pb.FINISH_REASON_STOP and tokens[-1] == 3
+        assert [t for t in tokens if t < 100] == [5, 9, 5, 12, 3]
+        runs = [len(r) for r in "".join("s" if t >= 100 else "|" for t in tokens[1:-1]).split("|")]
+        assert runs[0] == 2 and runs[3] == 3 and runs[1] <= 4 and 1 <= runs[2] <= 5
 
 
 def test_cancel_mid_stream_frees_blocks_and_slots(service):

@@ -218,5 +218,6 @@ class ModelRunner:
         histories = [self._arrays_of(s).token_ids(s) if s.sampling_params.repetition_penalty != 1
                      else None for s in sampled]
         tokens = iter(self.sampler(logits, params, histories,
-                                   [s.num_output_tokens for s in sampled]))
+                                   [s.num_output_tokens for s in sampled],
+                                   [s.constraint_state for s in sampled]))
         return [next(tokens) if sample else None for sample in samples]

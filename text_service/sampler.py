@@ -1,4 +1,4 @@
-"""Batched next-token sampling: penalties, allowed ranges, temperature, top-k, top-p and seeds."""
+"""Batched next-token sampling: penalties, constraints, temperature, top-k, top-p and seeds."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from text_service.constraints import PhonemeSyncState
 from text_service.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -34,6 +35,24 @@ def apply_allowed_range(logits: Tensor, lo: int, hi: int, exempt_ids: tuple[int,
     logits[:, lo:hi + 1] = keep
     if exempt:
         logits[:, exempt] = kept_exempt
+
+
+def apply_phoneme_sync(logits: Tensor, speech_lo: Tensor, speech_hi: Tensor, next_ids: Tensor,
+                       may_advance: Tensor, must_advance: Tensor) -> Tensor:
+    """Phoneme-synchronous logits for a batch of rows (constraints.PhonemeSync), out of place.
+
+    Row i keeps its speech logits ([speech_lo[i], speech_hi[i]]); the log of the summed
+    probability of every other id goes to `next_ids[i]` and every other non-speech id is
+    masked. Where the advance may not happen yet only speech stays; where it must, only the
+    next id does (whatever the logits say, even non-finite ones).
+    """
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    speech = (vocab >= speech_lo[:, None]) & (vocab <= speech_hi[:, None])
+    pooled = logits.masked_fill(speech, NEG_INF).logsumexp(-1)
+    vote = torch.where(may_advance, pooled, torch.full_like(pooled, NEG_INF))
+    vote = torch.where(must_advance, torch.zeros_like(pooled), vote)
+    out = logits.masked_fill(~speech | must_advance[:, None], NEG_INF)
+    return out.scatter_(1, next_ids[:, None], vote[:, None])
 
 
 def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
@@ -119,26 +138,33 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: Tensor, params: list[SamplingParams],
-                 histories: list[np.ndarray | None], steps: list[int]) -> list[int]:
+                 histories: list[np.ndarray | None], steps: list[int],
+                 states: list[PhonemeSyncState | None] | None = None) -> list[int]:
         """Sample a token per row (penalties and masks edit `logits` in place). `histories[i]`:
         prompt + output ids so far, read only under a repetition penalty; `steps[i]`: output
-        tokens so far, the offset in a seeded request's random stream."""
+        tokens so far, the offset in a seeded request's random stream; `states[i]`: the
+        row's constraint state (Sequence.constraint_state), needed where it has phoneme_sync."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
         if not params:
             return []
         self._penalize(logits, params, histories)
+        # a non-finite logit (overflowing penalties, a broken model) must not become an id
+        torch.nan_to_num_(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max, neginf=NEG_INF)
         self._mask_ranges(logits, params)
+        self._phoneme_sync(logits, params, states)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
         if not random_rows:
             return logits.argmax(dim=-1).tolist()
         if len(random_rows) == len(params):
-            return self._sample(params, logits, steps).tolist()
-        tokens = logits.argmax(dim=-1)
-        rows = torch.tensor(random_rows, device=logits.device)
-        tokens[rows] = self._sample([params[i] for i in random_rows], logits[rows],
-                                    [steps[i] for i in random_rows])
-        return tokens.tolist()
+            tokens = self._sample(params, logits, steps)
+        else:
+            tokens = logits.argmax(dim=-1)
+            rows = torch.tensor(random_rows, device=logits.device)
+            tokens[rows] = self._sample([params[i] for i in random_rows], logits[rows],
+                                        [steps[i] for i in random_rows])
+        # a row with no finite logit left draws past the end of its CDF: keep it in the vocabulary
+        return tokens.clamp_(0, self.vocab_size - 1).tolist()
 
     def _uniforms(self, params: list[SamplingParams], steps: list[int]) -> Tensor:
         u = torch.rand(len(params), generator=self.generator, device=self.device)
@@ -209,3 +235,22 @@ class Sampler:
                 sub = logits[index]
                 apply_allowed_range(sub, lo, hi, exempt)
                 logits[index] = sub
+
+    def _phoneme_sync(self, logits: Tensor, params: list[SamplingParams],
+                      states: list[PhonemeSyncState | None] | None) -> None:
+        rows = [i for i, p in enumerate(params) if p.phoneme_sync is not None]
+        if not rows:
+            return
+        if states is None or any(states[i] is None for i in rows):
+            raise ValueError("rows with phoneme_sync need their constraint states")
+        host = np.empty((5, len(rows)), dtype=np.int64)  # lo, hi, next id, may, must
+        for r, i in enumerate(rows):
+            c, state = params[i].phoneme_sync, states[i]
+            may, must = state.bounds(c)
+            host[:, r] = (*c.speech_token_range, state.next_id(c), may, must)
+        lo, hi, next_ids, may, must = torch.from_numpy(host).to(logits.device)
+        if len(rows) == len(params):
+            logits.copy_(apply_phoneme_sync(logits, lo, hi, next_ids, may.bool(), must.bool()))
+            return
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = apply_phoneme_sync(logits[index], lo, hi, next_ids, may.bool(), must.bool())

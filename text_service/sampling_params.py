@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from text_service.constraints import PhonemeSync
 from text_service.errors import InvalidRequestError
 
 _MAX_SEED = 2**64
@@ -38,10 +39,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     allowed_token_range: tuple[int, int] | None = None
+    phoneme_sync: PhonemeSync | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the object hashable and immutable.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stops = tuple(self.stop_token_ids)
+        if self.phoneme_sync is not None and self.phoneme_sync.end_token_id not in stops:
+            stops += (self.phoneme_sync.end_token_id,)
+        object.__setattr__(self, "stop_token_ids", stops)
         if self.allowed_token_range is not None:
             object.__setattr__(self, "allowed_token_range", tuple(self.allowed_token_range))
 
@@ -55,7 +60,8 @@ class SamplingParams:
         extra = () if self.ignore_eos else tuple(eos_token_ids)
         return tuple(dict.fromkeys(self.stop_token_ids + extra))
 
-    def validate(self, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
+    def validate(self, vocab_size: int, max_model_len: int, prompt_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         """Raise InvalidRequestError naming the first field that breaks a rule."""
         if prompt_len < 1:
             raise InvalidRequestError("prompt_token_ids", "must not be empty")
@@ -97,3 +103,11 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "allowed_token_range",
                     f"[{lo}, {hi}] must satisfy 0 <= lo <= hi < vocab_size ({vocab_size})")
+        if self.phoneme_sync is not None:
+            c = self.phoneme_sync
+            c.validate(vocab_size, self.max_tokens)
+            ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+            clash = next((t for t in c.phoneme_ids if t in ends), None)
+            if clash is not None:
+                raise InvalidRequestError("phoneme_sync.phoneme_ids",
+                                          f"id {clash} is a stop or end-of-sequence id")

@@ -42,6 +42,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None  # the EOS / stop id that finished it, if any
         self.num_preemptions = 0
+        # decoding-constraint state: a function of the output alone, so recompute keeps it
+        sync = self.sampling_params.phoneme_sync
+        self.constraint_state = sync.initial_state() if sync is not None else None
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.prefill_done_time: float | None = None  # prompt fully computed (first admission)
@@ -91,3 +94,5 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Add one sampled token."""
         self.token_ids.append(token_id)
+        if self.constraint_state is not None:
+            self.constraint_state.advance(self.sampling_params.phoneme_sync, token_id)

@@ -12,6 +12,7 @@ from splittts.text.v1 import text_pb2 as pb
 from splittts.text.v1 import text_pb2_grpc
 from text_service import metrics
 from text_service.async_engine import AsyncEngine
+from text_service.constraints import PhonemeSync
 from text_service.errors import CapacityError, InvalidRequestError
 from text_service.sampling_params import SamplingParams
 
@@ -28,6 +29,25 @@ _FIELD_NAMES = {"temperature": "sampling.temperature", "top_k": "sampling.top_k"
 
 def _ms(a: float | None, b: float | None) -> float:
     return 1e3 * (b - a) if a is not None and b is not None else 0.0
+
+
+def _phoneme_sync(request: pb.GenerateRequest) -> PhonemeSync | None:
+    """The request's PhonemeSync message as the engine's constraint (validated later)."""
+    if not request.HasField("phoneme_sync"):
+        return None
+    m = request.phoneme_sync
+    if not m.HasField("speech_tokens"):
+        raise InvalidRequestError("phoneme_sync.speech_tokens", "is required")
+    n = len(m.phoneme_ids)
+    if not m.max_tokens and m.max_tokens_per_phoneme == 0:
+        raise InvalidRequestError("phoneme_sync.max_tokens_per_phoneme",
+                                  "must be > 0 when max_tokens is empty")
+    return PhonemeSync(
+        phoneme_ids=tuple(m.phoneme_ids),
+        speech_token_range=(m.speech_tokens.start, m.speech_tokens.end),
+        end_token_id=m.end_token_id,
+        min_tokens=tuple(m.min_tokens) if m.min_tokens else (0,) * n,
+        max_tokens=tuple(m.max_tokens) if m.max_tokens else (m.max_tokens_per_phoneme,) * n)
 
 
 class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
@@ -68,14 +88,16 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         allowed = None
         if request.HasField("allowed_tokens"):
             allowed = (request.allowed_tokens.start, request.allowed_tokens.end)
-        params = SamplingParams(
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
-            repetition_penalty=s.repetition_penalty or 1.0, repetition_window=s.repetition_window,
-            seed=s.seed if s.HasField("seed") else None, max_tokens=request.max_tokens,
-            stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
-            allowed_token_range=allowed)
         try:
-            params.validate(self.vocab_size, self.max_model_len, prompt_len)
+            params = SamplingParams(
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                repetition_penalty=s.repetition_penalty or 1.0,
+                repetition_window=s.repetition_window,
+                seed=s.seed if s.HasField("seed") else None, max_tokens=request.max_tokens,
+                stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+                allowed_token_range=allowed, phoneme_sync=_phoneme_sync(request))
+            params.validate(self.vocab_size, self.max_model_len, prompt_len,
+                            self.engine.engine.config.eos_token_ids)
         except InvalidRequestError as exc:
             name = {"prompt_token_ids": field}.get(exc.field, _FIELD_NAMES.get(exc.field, exc.field))
             raise InvalidArgument(f"{name}: {exc.rule}") from None
