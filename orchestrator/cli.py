@@ -106,9 +106,13 @@ def cmd_synthesize(args) -> int:
     sink = sys.stdout.buffer if args.output == "-" else None
     with deployment(args) as address, grpc.insecure_channel(address) as channel:
         stub = tts_pb2_grpc.TextToSpeechStub(channel)
-        chunks, report, audio_s = [], None, 0.0
+        chunks, report, audio_s, words = [], None, 0.0, []
         for resp in stub.Synthesize(request, timeout=args.timeout):
-            if resp.HasField("audio"):
+            if resp.HasField("words"):
+                words += [{"word": w.word, "start_ms": round(w.start_ms, 1),
+                           "end_ms": round(w.end_ms, 1), "segment": w.segment}
+                          for w in resp.words.words]
+            elif resp.HasField("audio"):
                 chunks.append(resp.audio.audio)
                 audio_s += resp.audio.duration_s
                 if sink is not None:
@@ -123,6 +127,8 @@ def cmd_synthesize(args) -> int:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(b"".join(chunks))
+    if args.timings:
+        Path(args.timings).write_text(json.dumps({"words": words}, indent=1, ensure_ascii=False) + "\n")
     if not args.quiet:
         print(file=sys.stderr)
         if sink is None:
@@ -223,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sample-rate", type=int, help="output rate in Hz (default: the voice's)")
     s.add_argument("--speaking-rate", type=float, help="0.5 to 2.0, pitch kept")
     s.add_argument("--seed", type=int)
+    s.add_argument("--timings", metavar="FILE",
+                   help="write word timings (JSON: word, start_ms, end_ms, segment) to FILE")
     common(s)
     s.set_defaults(func=cmd_synthesize)
 

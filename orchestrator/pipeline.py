@@ -19,8 +19,10 @@ import numpy as np
 
 from orchestrator.audio import AudioOutput
 from orchestrator.latency import LatencyTracker
+from orchestrator.phoneme_sync import SyncPlan, SyncPlanner
 from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.voices import VoiceSpec
+from orchestrator.word_timings import word_spans
 from servicekit.errors import InvalidArgument, StatusError
 from splittts.text.v1 import text_pb2, text_pb2_grpc
 from splittts.tts.v1 import tts_pb2
@@ -60,11 +62,31 @@ def downstream_error(service: str, replica: Replica, exc: grpc.aio.AioRpcError) 
 
 
 class _Segment:
-    def __init__(self, text: str, model_input: str):
+    def __init__(self, text: str, model_input: str, normalized: str = "",
+                 plan: SyncPlan | None = None):
         self.text = text
         self.model_input = model_input
+        self.normalized = normalized or text
+        self.plan = plan  # phoneme-synchronous decoding, when the voice declares it
+        self.phoneme_starts: list[int] = []  # speech tokens before each emitted phoneme
+        self.num_speech = 0
         self.tokens: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
+
+    def count(self, ids, voice: VoiceSpec) -> None:
+        """Account for generated ids: speech tokens, and where each phoneme started."""
+        for t in ids:
+            if voice.is_speech(t):
+                self.num_speech += 1
+            elif t != voice.end_token_id:
+                self.phoneme_starts.append(self.num_speech)
+
+    def word_timings(self, index: int, base_tokens: int, ms_per_token: float) -> tts_pb2.WordTimings:
+        spans = word_spans(self.normalized, self.plan.phoneme_chars, self.phoneme_starts,
+                           self.num_speech)
+        return tts_pb2.WordTimings(words=[tts_pb2.WordTiming(
+            word=w.word, start_ms=(base_tokens + w.start) * ms_per_token,
+            end_ms=(base_tokens + w.end) * ms_per_token, segment=index) for w in spans])
 
 
 class VocodeSession:
@@ -139,6 +161,22 @@ class Pipeline:
         # eights, so every hop handles an eighth of the messages (each costs the vocoder's core
         # more than the audio of one token) for a few milliseconds of delay
         self.stream_chunk_tokens = stream_chunk_tokens
+        self._planners: dict[str, SyncPlanner | None] = {}
+
+    def planner(self, voice: VoiceSpec) -> SyncPlanner | None:
+        """The voice's phoneme-sync planner (None when it does not declare phoneme_sync)."""
+        if voice.name not in self._planners:
+            self._planners[voice.name] = SyncPlanner.for_voice(
+                voice.directory, voice.prompt_template, voice.phoneme_sync) \
+                if voice.phoneme_sync else None
+        return self._planners[voice.name]
+
+    def _prepare(self, frontend, text: str, language: str, voice: VoiceSpec) -> list[_Segment]:
+        """Front end and phoneme-sync plans of one text piece (run off the event loop)."""
+        planner = self.planner(voice)
+        return [_Segment(s.text, s.model_input, s.normalized,
+                         planner.plan(s.model_input) if planner else None)
+                for s in frontend.process(text, language)]
 
     async def synthesize(self, req: SynthesisRequest, texts: AsyncIterator[str],
                          tracker: LatencyTracker) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
@@ -158,6 +196,9 @@ class Pipeline:
                     break
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, tts_pb2.WordTimings):
+                    yield tts_pb2.SynthesizeResponse(words=item)
+                    continue
                 for piece in item:
                     yield tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(
                         audio=piece.audio, sequence_number=seq, first_sample=piece.first_sample,
@@ -197,10 +238,10 @@ class Pipeline:
                         except StopAsyncIteration:
                             break
                         started = time.perf_counter()
-                        segments = await asyncio.to_thread(frontend.process, text, req.language)
+                        segments = await asyncio.to_thread(self._prepare, frontend, text,
+                                                           req.language, req.voice)
                         tracker.frontend_ms += 1e3 * (time.perf_counter() - started)
-                        for s in segments:
-                            seg = _Segment(s.text, s.model_input)
+                        for seg in segments:
                             await ready.put(seg)  # at most lookahead_segments wait ahead
                             seg.task = asyncio.create_task(self._generate(req, seg, tracker, index))
                             tasks.append(seg.task)
@@ -214,15 +255,21 @@ class Pipeline:
             producer = asyncio.create_task(produce())
             tasks.append(producer)
             lo = req.voice.speech_token_range[0]
+            ms_per_token = 1e3 * req.voice.samples_per_token / req.voice.sample_rate / req.speaking_rate
+            index = 0
             while (seg := await ready.get()) is not None:
                 if isinstance(seg, BaseException):
                     raise seg
+                base_tokens = tracker.num_speech_tokens
                 while (ids := await _coalesced(seg.tokens)) is not None:
                     if isinstance(ids, BaseException):
                         raise ids
                     tracker.num_speech_tokens += len(ids)
                     await vocoder.write(vocoder_pb2.VocodeRequest(
                         tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])))
+                if seg.plan is not None:
+                    outbox.put_nowait(seg.word_timings(index, base_tokens, ms_per_token))
+                index += 1
                 if ready.empty() and awaiting_text.is_set() and tracker.num_speech_tokens:
                     # The caller is still writing: let the vocoder finish this sentence now
                     # rather than hold its tail back until more text arrives.
@@ -247,7 +294,6 @@ class Pipeline:
         max_tokens = voice.max_tokens
         if voice.max_tokens_per_char > 0:
             max_tokens = min(max_tokens, int(64 + voice.max_tokens_per_char * len(seg.model_input)))
-        allowed = voice.allowed_token_range or voice.speech_token_range
         s = req.sampling
         sampling = text_pb2.SamplingConfig(
             temperature=s.get("temperature", 0.0), top_p=s.get("top_p", 1.0),
@@ -255,6 +301,17 @@ class Pipeline:
             repetition_window=s.get("repetition_window", 0))
         if s.get("seed") is not None:
             sampling.seed = (int(s["seed"]) + index) % (1 << 64)
+        if seg.plan is not None:
+            p, (lo, hi) = seg.plan, voice.speech_token_range
+            return text_pb2.GenerateRequest(
+                request_id=f"{req.request_id}-{index}", token_ids=text_pb2.TokenIds(ids=p.prompt_ids),
+                sampling=sampling, max_tokens=min(max_tokens, p.max_output_tokens),
+                stop_token_ids=[voice.end_token_id], stream_chunk_tokens=self.stream_chunk_tokens,
+                phoneme_sync=text_pb2.PhonemeSync(
+                    phoneme_ids=p.phoneme_ids, speech_tokens=text_pb2.TokenRange(start=lo, end=hi),
+                    end_token_id=voice.end_token_id, min_tokens=p.min_tokens,
+                    max_tokens=p.max_tokens))
+        allowed = voice.allowed_token_range or voice.speech_token_range
         return text_pb2.GenerateRequest(
             request_id=f"{req.request_id}-{index}",
             text=voice.prompt_template.replace("{text}", seg.model_input), sampling=sampling,
@@ -280,6 +337,7 @@ class Pipeline:
                             if not received:
                                 first_ms = 1e3 * (time.perf_counter() - sent)
                                 received = True
+                            seg.count(resp.token_ids, req.voice)
                             ids = [t for t in resp.token_ids if req.voice.is_speech(t)]
                             if ids:
                                 seg.tokens.put_nowait(ids)

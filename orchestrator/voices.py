@@ -26,6 +26,8 @@ class VoiceSpec:
     allowed_token_range: tuple[int, int] | None = None
     max_tokens: int = 1200
     max_tokens_per_char: float = 0.0  # 0: only max_tokens caps a segment
+    samples_per_token: int = 512  # hop_size * frames_per_token: a speech token's audio
+    phoneme_sync: dict | None = None  # orchestrator.phoneme_sync: the LM writes phonemes back
 
     @classmethod
     def load(cls, directory: str | Path) -> "VoiceSpec":
@@ -51,7 +53,9 @@ class VoiceSpec:
                        allowed_token_range=tuple(int(x) for x in allowed) if allowed else None,
                        max_tokens=int(m.get("max_tokens", 1200)),
                        max_tokens_per_char=float(m.get("max_tokens_per_char",
-                                                       m.get("max_tokens_per_phoneme_char", 0.0))))
+                                                       m.get("max_tokens_per_phoneme_char", 0.0))),
+                       samples_per_token=int(m.get("hop_size", 256)) * int(m.get("frames_per_token", 1)),
+                       phoneme_sync=dict(m["phoneme_sync"]) if m.get("phoneme_sync") else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad or missing field ({exc})") from None
         if "{text}" not in spec.prompt_template:

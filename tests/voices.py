@@ -50,8 +50,9 @@ def write_char_tokenizer(folder: Path, extra_tokens: int) -> dict[str, int]:
 
 
 def make_tts_voice(root: Path, name: str = "tiny", speech_tokens: int = 64, max_tokens: int = 48,
-                   seed: int = 0) -> Path:
-    """A complete voice: tiny random Qwen3.5 LM with a char tokenizer + random token decoder."""
+                   seed: int = 0, phoneme_sync: dict | None = None) -> Path:
+    """A complete voice: tiny random Qwen3.5 LM with a char tokenizer + random token decoder;
+    with `phoneme_sync`, decoded phoneme by phoneme (its characters are the "phonemes")."""
     from tests.hf_models import make_tiny_model
 
     folder = make_random_voice(root, name=name, codebook_size=speech_tokens, seed=seed)
@@ -67,5 +68,6 @@ def make_tts_voice(root: Path, name: str = "tiny", speech_tokens: int = 64, max_
         "speech_token_range": [start, start + speech_tokens - 1], "end_token_id": 3,
         "prompt_template": "<bos>{text}<sep>",
         "text_frontend": {"en-US": {"g2p": "none"}, "cmn-CN": {"g2p": "none"}},
-        "sampling": {"temperature": 0.0}, "max_tokens": max_tokens}))
+        "sampling": {"temperature": 0.0}, "max_tokens": max_tokens,
+        **({"phoneme_sync": phoneme_sync} if phoneme_sync else {})}))
     return folder

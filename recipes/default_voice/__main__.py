@@ -9,7 +9,7 @@ from pathlib import Path
 
 from recipes.default_voice.config import RecipeConfig
 
-STEPS = ("data", "tokens", "decoder", "lm", "eval", "bundle")
+STEPS = ("data", "tokens", "decoder", "durations", "lm", "eval", "bundle")
 
 
 def main() -> None:
@@ -18,8 +18,11 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=RecipeConfig.cache, help="checkpoint directory (resumable)")
     parser.add_argument("--out", type=Path, default=RecipeConfig.out, help="voice bundle directory")
     parser.add_argument("--lm-minutes", type=float, default=RecipeConfig.lm_minutes)
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="voice bundle whose codebook and decoder are kept and whose LM is fine-tuned")
     args = parser.parse_args()
-    cfg = dataclasses.replace(RecipeConfig(), cache=args.cache, out=args.out, lm_minutes=args.lm_minutes)
+    cfg = dataclasses.replace(RecipeConfig(), cache=args.cache, out=args.out, lm_minutes=args.lm_minutes,
+                              init_from=args.init_from)
     cfg.cache.mkdir(parents=True, exist_ok=True)
     for step in args.steps.split(","):
         if step not in STEPS:
@@ -35,6 +38,9 @@ def main() -> None:
         elif step == "decoder":
             from recipes.default_voice.tokens import train_decoder
             train_decoder(cfg)
+        elif step == "durations":
+            from recipes.default_voice.durations import train_durations
+            train_durations(cfg)
         elif step == "lm":
             from recipes.default_voice.lm import train_lm
             train_lm(cfg)

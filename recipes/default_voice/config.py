@@ -13,6 +13,9 @@ class RecipeConfig:
     cache: Path = Path.home() / ".cache" / "split-tts" / "default_voice"
     out: Path = Path("voices/default")
     seed: int = 1234
+    # a voice bundle to start from: its codebook and token decoder are kept (so the vocoder side
+    # is unchanged) and its LM is fine-tuned instead of trained from nothing
+    init_from: Path | None = None
     workers: int = 2
     en_train_natural: int = 4000  # the last 100 are the validation slice
     en_train_templates: int = 1500  # numbers, money and questions
@@ -34,6 +37,7 @@ class RecipeConfig:
     lm_minutes: float = 92.0
     lm_batch_tokens: int = 4000
     lm_lr: float = 2e-3
+    lm_finetune_lr: float = 7e-4
     eval_minutes: float = 12.0
     threads: int = 1
     max_tokens: int = 1200

@@ -11,46 +11,11 @@ import torch
 
 from recipes.default_voice.config import RecipeConfig
 from recipes.default_voice.data import load_split, spoken_english, teacher_audio
-from recipes.default_voice.lm import EOS, PAD, edit_distance, max_new_tokens, prompt_ids, split_stream
+from recipes.default_voice.lm import edit_distance, split_stream
 from recipes.default_voice.metrics import Recognizer, dnsmos, mcd, word_errors, write_arpa
+from recipes.default_voice.synth import CANDIDATES, Decoding, decode
 from recipes.default_voice.teacher import SAMPLE_RATE, trim_bounds
-from recipes.default_voice.tokens import load_codes, load_decoder
-
-
-@torch.no_grad()
-def generate_batch(model, phonemes: list[str], cfg: RecipeConfig, temperature: float, top_k: int,
-                   seed: int, batch: int = 25) -> list[list[int]]:
-    """Free-running generation, left-padded batches (padding is masked in every layer)."""
-    out: list[list[int]] = []
-    order = sorted(range(len(phonemes)), key=lambda i: len(phonemes[i]))
-    results: dict[int, list[int]] = {}
-    for start in range(0, len(order), batch):
-        idx = order[start:start + batch]
-        prompts = [prompt_ids(phonemes[i]) for i in idx]
-        width = max(map(len, prompts))
-        ids = torch.full((len(idx), width), PAD, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        cap = max(max_new_tokens(phonemes[i], cfg) for i in idx)
-        kwargs = {"do_sample": temperature > 0}
-        if temperature > 0:
-            torch.manual_seed(seed + start)
-            kwargs.update(temperature=temperature, top_k=top_k, top_p=1.0)
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cap, eos_token_id=EOS,
-                             pad_token_id=PAD, **kwargs)[:, width:]
-        for r, i in enumerate(idx):
-            stream = gen[r].tolist()
-            own_cap = max_new_tokens(phonemes[i], cfg)
-            if EOS in stream[:own_cap]:
-                stream = stream[:stream.index(EOS) + 1]
-            else:
-                stream = stream[:own_cap]  # what a request with its own cap would have produced
-            results[i] = stream
-    for i in range(len(phonemes)):
-        out.append(results[i])
-    return out
+from recipes.default_voice.tokens import load_decoder, split_codes
 
 
 def vocode(codes: np.ndarray, decoder, backend) -> tuple[np.ndarray, np.ndarray]:
@@ -78,10 +43,10 @@ def score(wav: np.ndarray, u, lang: str, mel_fn, asr, spoken: dict[str, str] | N
     return row
 
 
-def teacher_rows(cfg: RecipeConfig, lang: str, utts: list, codes: list, decoder, backend, mel_fn, asr,
-                 spoken: dict[str, str]) -> dict[str, list[dict]]:
+def teacher_rows(cfg: RecipeConfig, lang: str, name: str, utts: list, codes: list, decoder, backend, mel_fn,
+                 asr, spoken: dict[str, str]) -> dict[str, list[dict]]:
     """Scores of the teacher's audio and of its own tokens vocoded, cached (they do not depend on the LM)."""
-    path = cfg.cache / f"eval_teacher_{lang}_{len(utts)}.json"
+    path = cfg.cache / f"eval_teacher_{name}_{len(utts)}.json"
     if path.exists():
         return json.loads(path.read_text())
     rows: dict[str, list[dict]] = {"teacher audio": [], "teacher tokens": []}
@@ -95,74 +60,123 @@ def teacher_rows(cfg: RecipeConfig, lang: str, utts: list, codes: list, decoder,
     return rows
 
 
-def evaluate(cfg: RecipeConfig, lm_dir: Path | None = None, temperature: float | None = None, top_k: int = 50,
-             n_audio_en: int = 150, n_audio_zh: int = 20, tag: str = "", teacher_only: bool = False) -> dict:
-    """Score the LM in `lm_dir` (default: the best training checkpoint) and write `eval/`."""
-    from transformers import AutoModelForCausalLM
-    from transformers import logging as hf_logging
+def _spoken_of(cfg: RecipeConfig, utts) -> dict[str, str]:
+    spoken = spoken_english(cfg)
+    return {u.text: spoken.get(u.text, u.text) for u in utts}
 
+
+def score_decoding(cfg: RecipeConfig, lm_dir: Path, decoding: Decoding, sets: list[tuple[str, str, list]],
+                   tools: dict, n_audio: dict[str, int], with_teacher: bool = True) -> tuple[list[dict], dict]:
+    """Decode and score each (lang, name, utterances) set; rows of the table and per-sentence hyps."""
+    rows, hyps = [], {}
+    for lang, name, utts in sets:
+        t0 = time.time()
+        streams = decode(cfg, lm_dir, [u.phonemes for u in utts], decoding,
+                         teacher_durations=[u.durations for u in utts], predictor=tools["predictor"])
+        gen_s = time.time() - t0
+        parsed = [split_stream(st) for st in streams]
+        ratios = np.array([len(c) / max(1, int(u.durations.sum())) for u, (_, c, _) in zip(utts, parsed)])
+        runaway = sum(not stopped for _, _, stopped in parsed)
+        cer = float(np.mean([edit_distance(ch, u.phonemes) / len(u.phonemes) for u, (ch, _, _) in zip(utts, parsed)]))
+        n = min(n_audio.get(lang, 0), len(utts))
+        spoken = _spoken_of(cfg, utts)
+        asr = None
+        if lang == "en":
+            arpa = cfg.cache / f"eval_{name}.arpa"
+            write_arpa(list(spoken.values()), arpa)
+            asr = Recognizer(arpa)
+        systems: dict[str, list[dict]] = {}
+        if with_teacher:
+            codes = split_codes(cfg, name)
+            systems.update(teacher_rows(cfg, lang, name, utts[:n], codes, tools["decoder"], tools["backend"],
+                                        tools["mel"], asr, spoken))
+        voice = []
+        for k, u in enumerate(utts[:n]):
+            gen_codes = parsed[k][1] if len(parsed[k][1]) >= 2 else [0, 0]
+            _, audio = vocode(gen_codes, tools["decoder"], tools["backend"])
+            voice.append(score(audio, u, lang, tools["mel"], asr, spoken))
+        systems["voice"] = voice
+        hyps[f"{name}/{decoding.name}"] = [{"text": u.text, **r} for u, r in zip(utts, voice)]
+        for system, rs in systems.items():
+            entry = {"set": name, "lang": lang, "system": system if system != "voice" else decoding.name,
+                     "n": len(rs), "dnsmos": float(np.mean([r["dnsmos"] for r in rs])) if rs else float("nan")}
+            if system != "teacher audio" and rs:
+                entry["mcd_db"] = float(np.mean([r["mcd"] for r in rs]))
+            if lang == "en" and rs:
+                entry["wer"] = sum(r["errors"] for r in rs) / max(1, sum(r["ref_words"] for r in rs))
+            if system == "voice":
+                entry.update(n_generated=len(utts), duration_ratio=float(np.median(ratios)),
+                             below_half=int((ratios < 0.5).sum()), above_2x=int((ratios > 2).sum()),
+                             runaway=runaway, phoneme_copy_cer=cer, generation_s=gen_s)
+            rows.append(entry)
+            print(json.dumps(entry), flush=True)
+    return rows, hyps
+
+
+def _tools(cfg: RecipeConfig) -> dict:
     from vocoder_service.backends import TorchBackend
     from vocoder_service.mel import MelSpectrogram
 
-    hf_logging.set_verbosity_error()
+    backend = TorchBackend()
+    predictor = cfg.cache / "durations" / "duration_predictor.safetensors"
+    return {"decoder": load_decoder(cfg), "backend": backend, "mel": MelSpectrogram(backend.config),
+            "predictor": predictor if predictor.exists() else None}
+
+
+def choose_decoding(cfg: RecipeConfig, lm_dir: Path | None = None) -> Decoding:
+    """Score every candidate decoding on the natural validation slice; keep the best deployable one
+    (lowest English WER with no sentence below half or above twice the teacher's length)."""
     torch.set_num_threads(cfg.threads)
-    temperature = cfg.temperature if temperature is None else temperature
     lm_dir = lm_dir or cfg.cache / "lm" / "best"
+    val = splits_for_validation(cfg)
+    tools = _tools(cfg)
+    rows = []
+    for cand in CANDIDATES:
+        got, _ = score_decoding(cfg, lm_dir, cand, val, tools, {"en": len(val[0][2])}, with_teacher=False)
+        rows += got
+    deployable = [r for r in rows if r["lang"] == "en" and r["system"] not in
+                  {c.name for c in CANDIDATES if c.oracle}]
+    fits = [r for r in deployable if all(x["below_half"] == 0 and x["above_2x"] == 0
+                                         for x in rows if x["system"] == r["system"])] or deployable
+    best = min(fits, key=lambda r: r["wer"])["system"]
+    chosen = next(c for c in CANDIDATES if c.name == best)
+    report = {"lm_dir": str(lm_dir), "rows": rows, "chosen": chosen.name}
+    (cfg.cache / "decoding.json").write_text(json.dumps(report, indent=1))
+    print(table(report), f"chosen: {chosen.name}", flush=True)
+    return chosen
+
+
+def chosen_decoding(cfg: RecipeConfig) -> Decoding:
+    """The decoding choose_decoding picked (run it first)."""
+    path = cfg.cache / "decoding.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run the eval step (it chooses the decoding first)")
+    name = json.loads(path.read_text())["chosen"]
+    return next(c for c in CANDIDATES if c.name == name)
+
+
+def splits_for_validation(cfg: RecipeConfig) -> list[tuple[str, str, list]]:
+    """The natural validation slice the LM's checkpoint was chosen on (tails of the training splits)."""
+    return [("en", "en_train", load_split(cfg, "en_train")[-100:]),
+            ("zh", "zh_train", load_split(cfg, "zh_train")[-40:])]
+
+
+def evaluate(cfg: RecipeConfig, lm_dir: Path | None = None, n_audio_en: int = 200, n_audio_zh: int = 40,
+             tag: str = "") -> dict:
+    """Choose the decoding on validation, then score the held-out sets and write `eval/`."""
+    torch.set_num_threads(cfg.threads)
+    lm_dir = lm_dir or cfg.cache / "lm" / "best"
+    decoding = chosen_decoding(cfg) if (cfg.cache / "decoding.json").exists() else choose_decoding(cfg, lm_dir)
     out_dir = cfg.cache / f"eval{tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = None if teacher_only else AutoModelForCausalLM.from_pretrained(lm_dir).eval()
-    decoder = load_decoder(cfg)
-    backend = TorchBackend()
-    mel_fn = MelSpectrogram(backend.config)
-    codes = load_codes(cfg)
-    spoken = spoken_english(cfg)
-    en_eval, zh_eval = load_split(cfg, "en_eval"), load_split(cfg, "zh_eval")
-    lm_path = out_dir / "eval_en.arpa"
-    write_arpa([spoken[u.text] for u in en_eval], lm_path)
-    asr = Recognizer(lm_path)
-    if teacher_only:
-        for lang, utts, n in (("en", en_eval, n_audio_en), ("zh", zh_eval, n_audio_zh)):
-            teacher_rows(cfg, lang, utts[:n], codes[f"{lang}_eval"], decoder, backend, mel_fn, asr, spoken)
-        return {}
-    report: dict = {"lm_dir": str(lm_dir), "temperature": temperature, "top_k": top_k, "rows": []}
-    samples: dict[str, np.ndarray] = {}
-    for lang, utts, n_audio in (("en", en_eval, n_audio_en), ("zh", zh_eval, n_audio_zh)):
-        t0 = time.time()
-        streams = generate_batch(model, [u.phonemes for u in utts], cfg, temperature, top_k, cfg.seed)
-        gen_s = time.time() - t0
-        parsed = [split_stream(s) for s in streams]
-        runaway = sum(not stopped for _, _, stopped in parsed)
-        ratios = [len(c) / max(1, int(u.durations.sum())) for u, (_, c, _) in zip(utts, parsed)]
-        truncated = sum(stopped and r < 0.6 for (_, _, stopped), r in zip(parsed, ratios))
-        cer = float(np.mean([edit_distance(ch, u.phonemes) / len(u.phonemes) for u, (ch, _, _) in zip(utts, parsed)]))
-        rows = {**teacher_rows(cfg, lang, utts[:n_audio], codes[f"{lang}_eval"], decoder, backend, mel_fn, asr,
-                               spoken), "voice": []}
-        for k, u in enumerate(utts[:n_audio]):
-            gen_codes = parsed[k][1]
-            if len(gen_codes) < 2:
-                gen_codes = [0, 0]
-            _, vaudio = vocode(gen_codes, decoder, backend)
-            if k == 0:
-                samples[f"{lang}_voice"] = vaudio
-            rows["voice"].append(score(vaudio, u, lang, mel_fn, asr, spoken))
-        for name, rs in rows.items():
-            entry = {"lang": lang, "system": name, "n": len(rs),
-                     "dnsmos": float(np.mean([r["dnsmos"] for r in rs]))}
-            if name != "teacher audio":
-                entry["mcd_db"] = float(np.mean([r["mcd"] for r in rs]))
-            if lang == "en":
-                entry["wer"] = sum(r["errors"] for r in rs) / max(1, sum(r["ref_words"] for r in rs))
-            if name == "voice":
-                entry.update(n_generated=len(utts), duration_ratio=float(np.mean(ratios)), runaway=runaway,
-                             truncated=truncated, phoneme_copy_cer=cer, generation_s=gen_s)
-            report["rows"].append(entry)
-            print(json.dumps(entry), flush=True)
-        (out_dir / f"hyps_{lang}.json").write_text(json.dumps(
-            [{"text": u.text, **r} for u, r in zip(utts, rows["voice"])], indent=1, ensure_ascii=False))
-    import soundfile as sf
-
-    for name, wav in samples.items():  # the first held-out sentence of each language
-        sf.write(str(out_dir / f"{name}.wav"), wav, SAMPLE_RATE)
+    tools = _tools(cfg)
+    sets = [(lang, name, load_split(cfg, name)) for lang, name in
+            (("en", "en_natural"), ("zh", "zh_natural"), ("en", "en_eval"), ("zh", "zh_eval"))]
+    rows, hyps = score_decoding(cfg, lm_dir, decoding, sets, tools, {"en": n_audio_en, "zh": n_audio_zh})
+    free = next(c for c in CANDIDATES if not c.sync)
+    free_rows, _ = score_decoding(cfg, lm_dir, free, sets[:1], tools, {"en": n_audio_en}, with_teacher=False)
+    report = {"lm_dir": str(lm_dir), "decoding": decoding.name, "rows": rows + free_rows}
+    (out_dir / "hyps.json").write_text(json.dumps(hyps, indent=1, ensure_ascii=False))
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     (out_dir / "table.md").write_text(table(report))
     print(table(report))
@@ -171,14 +185,14 @@ def evaluate(cfg: RecipeConfig, lm_dir: Path | None = None, temperature: float |
 
 def table(report: dict) -> str:
     """The evaluation as a Markdown table."""
-    lines = ["| language | system | n | WER | DNSMOS | MCD (dB) | duration ratio | phoneme-copy error | runaway | truncated |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | system | n | WER | DNSMOS | MCD (dB) | duration ratio (median) | < 0.5x / > 2x | "
+             "phoneme-copy error | runaway |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         def f(key: str, fmt: str) -> str:
             return format(r[key], fmt) if key in r else "-"
+        out_of_range = f"{r['below_half']} / {r['above_2x']} of {r['n_generated']}" if "below_half" in r else "-"
         runaway = f"{r['runaway']}/{r['n_generated']}" if "runaway" in r else "-"
-        truncated = f"{r['truncated']}/{r['n_generated']}" if "truncated" in r else "-"
-        lines.append(f"| {r['lang']} | {r['system']} | {r['n']} | {f('wer', '.1%')} | {f('dnsmos', '.2f')} | "
-                     f"{f('mcd_db', '.2f')} | {f('duration_ratio', '.2f')} | {f('phoneme_copy_cer', '.1%')} | {runaway} | "
-                     f"{truncated} |")
+        lines.append(f"| {r['set']} | {r['system']} | {r['n']} | {f('wer', '.1%')} | {f('dnsmos', '.2f')} | "
+                     f"{f('mcd_db', '.2f')} | {f('duration_ratio', '.2f')} | {out_of_range} | "
+                     f"{f('phoneme_copy_cer', '.1%')} | {runaway} |")
     return "\n".join(lines) + "\n"

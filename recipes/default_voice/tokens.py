@@ -19,6 +19,7 @@ from vocoder_service.token_decoder import (ConvLayer, TokenDecoder, TokenDecoder
 
 TRAIN_SPLITS = ("en_train", "zh_train")
 EVAL_SPLITS = ("en_eval", "zh_eval")
+NATURAL_SPLITS = ("en_natural", "zh_natural")
 
 
 def stacked(mel: np.ndarray, frames_per_token: int) -> np.ndarray:
@@ -66,6 +67,15 @@ def build_codebook(cfg: RecipeConfig) -> None:
     path = cfg.cache / "codebook.npy"
     torch.set_num_threads(cfg.threads)
     fpt = cfg.frames_per_token
+    if not path.exists() and cfg.init_from is not None:
+        kept = load_token_decoder(cfg.init_from / "vocoder")
+        if kept is None:
+            raise FileNotFoundError(f"{cfg.init_from / 'vocoder'} holds no token decoder")
+        np.save(path, kept.codebook.detach().numpy())
+        save_token_decoder(kept, cfg.cache / "decoder")
+        (cfg.cache / "decoder" / "report.json").write_text(json.dumps({"kept_from": str(cfg.init_from)}))
+        (cfg.cache / "decoder" / "done").write_text("ok")
+        print(f"codebook and token decoder kept from {cfg.init_from}", flush=True)
     if not path.exists():
         vecs = [stacked(u.mel.astype(np.float32), fpt) for s in TRAIN_SPLITS for u in load_split(cfg, s)]
         x = torch.from_numpy(np.concatenate(vecs))
@@ -89,6 +99,15 @@ def build_codebook(cfg: RecipeConfig) -> None:
 
 def load_codes(cfg: RecipeConfig) -> dict[str, list[np.ndarray]]:
     return pickle.loads((cfg.cache / "codes.pkl").read_bytes())
+
+
+def split_codes(cfg: RecipeConfig, split: str) -> list[np.ndarray]:
+    """Codes of one split: stored ones, else encoded now with the codebook (natural held-out sets)."""
+    codes = load_codes(cfg)
+    if split in codes:
+        return codes[split]
+    centroids = torch.from_numpy(np.load(cfg.cache / "codebook.npy"))
+    return encode(load_split(cfg, split), centroids, cfg.frames_per_token)
 
 
 def _crops(utts: list[Utterance], codes: list[np.ndarray], n: int, length: int, fpt: int,
