@@ -305,7 +305,7 @@ class Pipeline:
             p, (lo, hi) = seg.plan, voice.speech_token_range
             return text_pb2.GenerateRequest(
                 request_id=f"{req.request_id}-{index}", token_ids=text_pb2.TokenIds(ids=p.prompt_ids),
-                sampling=sampling, max_tokens=min(max_tokens, p.max_output_tokens),
+                sampling=sampling, max_tokens=p.max_output_tokens,  # the plan bounds the output
                 stop_token_ids=[voice.end_token_id], stream_chunk_tokens=self.stream_chunk_tokens,
                 phoneme_sync=text_pb2.PhonemeSync(
                     phoneme_ids=p.phoneme_ids, speech_tokens=text_pb2.TokenRange(start=lo, end=hi),

@@ -13,7 +13,8 @@ client -> server, JSON text frames
 server -> client
   binary frames: a 16-byte little-endian header (int32 sequence number, int32 sample rate,
     float64 first sample) followed by the chunk's LINEAR16 PCM
-  {"type": "started", "request_id"}, {"type": "report", "report": {...}},
+  {"type": "started", "request_id"}, {"type": "words", "words": [{word, start_ms, end_ms, segment}]},
+  {"type": "report", "report": {...}},
   {"type": "stopped"}, {"type": "error", "code", "message", "detail"}
 """
 
@@ -146,6 +147,10 @@ class _Session:
                     a = resp.audio
                     await self.send_bytes(CHUNK_HEADER.pack(a.sequence_number, a.sample_rate_hz,
                                                             float(a.first_sample)) + a.audio)
+                elif resp.HasField("words"):
+                    await self.send_json({"type": "words", "words": [
+                        {"word": w.word, "start_ms": w.start_ms, "end_ms": w.end_ms,
+                         "segment": w.segment} for w in resp.words.words]})
                 else:
                     report = json_format.MessageToDict(resp.report, preserving_proto_field_name=True,
                                                        always_print_fields_with_no_presence=True)

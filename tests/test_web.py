@@ -35,7 +35,9 @@ WAIT_MS = 60_000
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    voice_dir = make_tts_voice(tmp_path_factory.mktemp("voices"))
+    # decoded phoneme by phoneme (its characters), as the default voice is: the page gets word timings
+    voice_dir = make_tts_voice(tmp_path_factory.mktemp("voices"), phoneme_sync={
+        "max_tokens_per_phoneme": 3, "min_tokens_per_phoneme": 1})
     local = LocalDeployment(voice_dir, threads={"text": 1, "vocoder": 1}, metrics_ports=(0, -1, -1),
                             http_port=0)
     local.start()
@@ -173,6 +175,21 @@ def test_speak_a_sentence_schedules_audio_and_fills_the_latency_panel(tab, shots
     assert shot.stat().st_size > 10_000
     if os.environ.get("SPLITTTS_WEB_SCREENSHOT"):
         shutil.copy(shot, os.environ["SPLITTTS_WEB_SCREENSHOT"])
+
+
+def test_words_are_highlighted_while_they_play(tab):
+    words = ["hello", "there", "these", "words", "light", "up", "in", "turn"]
+    tab.speak("hello there. these words light up in turn.")
+    tab.wait("window.splitTTS.report !== null")
+    got = tab.page.evaluate("window.splitTTS.words.map(w => [w.word, w.start_ms, w.end_ms])")
+    assert [w for w, _, _ in got] == words
+    assert tab.page.eval_on_selector_all("#words span", "s => s.map(x => x.textContent)") == words
+    # as the audio plays the highlight walks the words in order, and ends after the last one
+    tab.wait("window.splitTTS.highlighted.length >= 6 && window.splitTTS.currentWord === null"
+             " && document.querySelectorAll('#words span.said').length === 8")
+    seen = tab.state("highlighted")
+    assert seen == [w for w in words if w in seen] and seen[-1] == "turn"
+    assert tab.page.eval_on_selector_all("#words span.current", "s => s.length") == 0
 
 
 def test_stop_cancels_the_whole_pipeline(tab, deployment, shots):

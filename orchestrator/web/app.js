@@ -13,7 +13,7 @@ const $ = (id) => document.getElementById(id);
 const demo = window.splitTTS = {
   phase: "idle", requestId: null, ctx: null, report: null, error: null,
   chunksReceived: 0, samplesReceived: 0, samplesScheduled: 0, underruns: 0,
-  firstAudioMs: null, typed: "", sampleRate: 0,
+  firstAudioMs: null, typed: "", sampleRate: 0, words: [], currentWord: null, highlighted: [],
 };
 let ws = null, voices = [], sources = [], pcm = [], peaks = [], timeline = [];
 let nextTime = 0, playStart = 0, clickedAt = 0, typer = null, drawing = false, frozenAt = null;
@@ -80,6 +80,8 @@ function speak() {
   Object.assign(demo, { phase: "speaking", report: null, error: null, requestId: null, chunksReceived: 0,
                         samplesReceived: 0, samplesScheduled: 0, underruns: 0, firstAudioMs: null, typed: "" });
   pcm = []; peaks = []; timeline = []; nextTime = 0; playStart = 0; frozenAt = null;
+  Object.assign(demo, { words: [], currentWord: null, highlighted: [] });
+  $("words").textContent = "";
   clickedAt = performance.now();
   resetReport();
   const text = $("text").value;
@@ -129,6 +131,7 @@ function stopPlayback() {
 function onMessage(msg) {
   if (msg.type === "started") demo.requestId = msg.request_id;
   else if (msg.type === "report" && msg.report.request_id === demo.requestId) finish(msg.report);
+  else if (msg.type === "words" && demo.phase === "speaking") addWords(msg.words);
   else if (msg.type === "error") fail(msg.message, msg);
 }
 
@@ -199,6 +202,31 @@ function updateLive() {
   $("live").textContent = text;
 }
 
+// -- words, highlighted while they play ----------------------------------------------------
+function addWords(words) {
+  const box = $("words");
+  for (const w of words) {
+    const span = document.createElement("span");
+    span.textContent = w.word;
+    box.append(span, " ");
+    demo.words.push({ ...w, el: span });
+  }
+}
+
+function highlightWords(playedMs) {
+  let current = null;
+  for (const w of demo.words) {
+    const said = w.start_ms <= playedMs;
+    w.el.classList.toggle("said", said && playedMs >= w.end_ms);
+    const now = said && playedMs < w.end_ms;
+    w.el.classList.toggle("current", now);
+    if (now) current = w;
+  }
+  if (current && current !== demo.current) demo.highlighted.push(current.word);  // for the tests
+  demo.current = current;
+  demo.currentWord = current ? current.word : null;
+}
+
 // -- waveform ------------------------------------------------------------------------------
 function addPeaks(samples, rate) {
   const bin = Math.max(1, Math.round(rate * PEAK_BIN_S));
@@ -231,6 +259,7 @@ function draw() {
   const seconds = peaks.length * PEAK_BIN_S;
   const span = Math.max(4, seconds * 1.1);
   const played = playedSeconds();
+  highlightWords(1000 * played);
   const mid = h / 2;
   g.fillStyle = "#e2e5eb";
   g.fillRect(0, mid, w, 1);

