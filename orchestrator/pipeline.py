@@ -171,17 +171,24 @@ class Pipeline:
                 if voice.phoneme_sync else None
         return self._planners[voice.name]
 
-    def _prepare(self, frontend, text: str, language: str, voice: VoiceSpec) -> list[_Segment]:
-        """Front end and phoneme-sync plans of one text piece (run off the event loop)."""
-        planner = self.planner(voice)
+    def _stretch(self, req: SynthesisRequest) -> float:
+        """The tempo change left to the audio: none where the durations already carry the rate."""
+        planner = self.planner(req.voice)
+        return 1.0 if planner is not None and planner.predictor is not None else req.speaking_rate
+
+    def _prepare(self, frontend, text: str, req: SynthesisRequest) -> list[_Segment]:
+        """Front end and phoneme-sync plans of one text piece (run off the event loop); with a
+        duration predictor the speaking rate scales the durations before synthesis."""
+        planner = self.planner(req.voice)
         return [_Segment(s.text, s.model_input, s.normalized,
-                         planner.plan(s.model_input) if planner else None)
-                for s in frontend.process(text, language)]
+                         planner.plan(s.model_input, req.speaking_rate) if planner else None)
+                for s in frontend.process(text, req.language)]
 
     async def synthesize(self, req: SynthesisRequest, texts: AsyncIterator[str],
                          tracker: LatencyTracker) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         """Audio chunks as they are made; the caller appends tracker.report()."""
-        out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz, req.speaking_rate)
+        out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz,
+                          self._stretch(req))
         vocoder = VocodeSession(self.vocoder_pool, req.voice, req.request_id, req.trace_id)
         outbox: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
@@ -238,8 +245,7 @@ class Pipeline:
                         except StopAsyncIteration:
                             break
                         started = time.perf_counter()
-                        segments = await asyncio.to_thread(self._prepare, frontend, text,
-                                                           req.language, req.voice)
+                        segments = await asyncio.to_thread(self._prepare, frontend, text, req)
                         tracker.frontend_ms += 1e3 * (time.perf_counter() - started)
                         for seg in segments:
                             await ready.put(seg)  # at most lookahead_segments wait ahead
@@ -255,7 +261,7 @@ class Pipeline:
             producer = asyncio.create_task(produce())
             tasks.append(producer)
             lo = req.voice.speech_token_range[0]
-            ms_per_token = 1e3 * req.voice.samples_per_token / req.voice.sample_rate / req.speaking_rate
+            ms_per_token = 1e3 * req.voice.samples_per_token / req.voice.sample_rate / self._stretch(req)
             index = 0
             while (seg := await ready.get()) is not None:
                 if isinstance(seg, BaseException):

@@ -112,3 +112,31 @@ def test_cli_writes_word_timings(deployment, tmp_path):
     got = json.loads(timings.read_text())["words"]
     words, _ = unary(deployment.address)
     assert [(w["word"], w["start_ms"]) for w in got] == [(w.word, round(w.start_ms, 1)) for w in words]
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    voice = make_tts_voice(tmp_path_factory.mktemp("voices"), max_tokens=400, phoneme_sync={
+        "max_tokens_per_phoneme": 12, "durations": "random", "band": [1.0, 1.0]})
+    local = LocalDeployment(voice, threads={"text": 1, "vocoder": 1}, metrics_ports=(0, 0, 0))
+    local.start()
+    yield local
+    local.stop()
+
+
+def test_speaking_rate_scales_predicted_durations_before_synthesis(predicted):
+    def run(rate: float):
+        with grpc.insecure_channel(predicted.address) as ch:
+            responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(pb.SynthesizeRequest(
+                text=TEXT, audio_config=pb.AudioConfig(speaking_rate=rate)), timeout=120))
+        words, audio_s = collect(responses)
+        return words, audio_s, responses[-1].report.num_speech_tokens
+
+    words, audio_s, tokens = run(1.0)
+    fast, fast_s, fast_tokens = run(2.0)
+    assert [w.word for w in fast] == [w.word for w in words] == WORDS
+    # the schedule, not a time stretch, makes it faster: half the speech tokens, audio to match
+    assert fast_tokens == pytest.approx(tokens / 2, rel=0.15)
+    assert fast_s == pytest.approx(fast_tokens * 512 / 22050, rel=1e-3)
+    assert audio_s == pytest.approx(tokens * 512 / 22050, rel=1e-3)
+    assert fast[-1].end_ms <= 1e3 * fast_s + 1e-6 and words[-1].end_ms <= 1e3 * audio_s + 1e-6

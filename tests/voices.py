@@ -62,6 +62,8 @@ def make_tts_voice(root: Path, name: str = "tiny", speech_tokens: int = 64, max_
     lm.rename(folder / "lm")
     write_char_tokenizer(folder / "lm", speech_tokens)
     start = len(SPECIALS) + len(CHARS)
+    if phoneme_sync and phoneme_sync.get("durations") == "random":
+        phoneme_sync = {**phoneme_sync, "durations": write_random_duration_predictor(folder, start)}
     (folder / "voice.json").write_text(json.dumps({
         "name": name, "description": "tiny random test voice", "languages": ["en-US", "cmn-CN"],
         "sample_rate": 22050, "hop_size": 256, "frames_per_token": 2, "token_rate": 43.07,
@@ -71,3 +73,21 @@ def make_tts_voice(root: Path, name: str = "tiny", speech_tokens: int = 64, max_
         "sampling": {"temperature": 0.0}, "max_tokens": max_tokens,
         **({"phoneme_sync": phoneme_sync} if phoneme_sync else {})}))
     return folder
+
+
+def write_random_duration_predictor(folder: Path, vocab: int, mean_tokens: float = 2.0,
+                                    seed: int = 0) -> str:
+    """Weights in orchestrator.durations' format whose predictions sit around `mean_tokens`."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    c = 8
+    weights = {"embedding": rng.normal(0, 0.3, (vocab, c)).astype(np.float32),
+               "convs.0.weight": rng.normal(0, 0.2, (c, c, 3)).astype(np.float32),
+               "convs.0.bias": np.zeros(c, np.float32),
+               "proj.weight": rng.normal(0, 0.1, (1, c)).astype(np.float32),
+               "proj.bias": np.array([np.log1p(mean_tokens)], np.float32)}
+    (folder / "durations").mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "durations" / "predictor.safetensors"))
+    return "durations/predictor.safetensors"
