@@ -36,6 +36,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.max_in_flight = max_in_flight
         self.in_flight = 0
 
+    def ready(self) -> bool:
+        """SERVING while each backend (text and vocoder) has a healthy replica."""
+        return self.pipeline.text_pool.any_healthy and self.pipeline.vocoder_pool.any_healthy
+
     # -- validation ---------------------------------------------------------------------------
     def _request(self, context, *, voice: str, language_code: str, audio_config, sampling,
                  request_id: str, sample_text: str) -> SynthesisRequest:
