@@ -195,3 +195,49 @@ def test_metrics_count_outcomes_and_gauges_are_live(model_dir):
         assert idle
     finally:
         assert proc.stop() == 0
+
+
+def test_an_engine_failure_counts_as_failed_in_process(model_dir, monkeypatch):
+    import asyncio
+
+    from prometheus_client import REGISTRY
+
+    from servicekit.server import ErrorInterceptor
+    from text_service.async_engine import AsyncEngine
+    from text_service.engine import EngineArgs, LLMEngine
+    from text_service.server import TextGenerationServicer
+
+    def count(reason: str) -> float:
+        return REGISTRY.get_sample_value("splittts_text_request_success_total",
+                                         {"finished_reason": reason}) or 0.0
+
+    engine = LLMEngine(EngineArgs(model=str(model_dir), kv_cache_memory_bytes=8 << 20))
+
+    def broken(batch):
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+
+    async def main():
+        failures = []
+        async_engine = AsyncEngine(engine, on_failure=failures.append)
+        server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        text_pb2_grpc.add_TextGenerationServicer_to_server(
+            TextGenerationServicer(async_engine, "tiny"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async_engine.start()
+        before = count("failed"), count("abort")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub(ch).Generate(pb.GenerateRequest(**LONG), timeout=30):
+                        pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert len(failures) == 1
+        finally:
+            await server.stop(None)
+            async_engine.stop()
+        assert (count("failed"), count("abort")) == (before[0] + 1, before[1])
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
