@@ -31,7 +31,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 class Service:
     """One gRPC service to host: its full name, the generated add function and the servicer.
 
-    A servicer with a `ready() -> bool` method has its health follow it once warm.
+    A servicer with a `ready() -> bool` method has its service's health follow it once warm.
     """
 
     name: str
@@ -120,15 +120,18 @@ def _check_port_free(host: str, port: int, what: str) -> None:
 
 async def _set_health(health_servicer, services: list[Service],
                       last: dict[str, bool] | None = None) -> dict[str, bool]:
-    """SERVING for each service whose servicer is ready (no `ready()`: always), "" if all are."""
+    """Each service SERVING while its servicer is ready (one without `ready()` always is).
+
+    The server's own entry, "", stays SERVING until the drain: it says the process is alive
+    (a liveness probe), the service names say whether to send it calls (a readiness probe).
+    """
     state = {s.name: bool(s.servicer.ready()) if callable(getattr(s.servicer, "ready", None))
              else True for s in services}
-    state[""] = all(state.values())
+    state[""] = True
     for name, ok in state.items():
         if last is None or last.get(name) != ok:
             if last is not None:
-                log.warning("health of %s is now %s", name or "the server",
-                            "SERVING" if ok else "NOT_SERVING")
+                log.warning("health of %s is now %s", name, "SERVING" if ok else "NOT_SERVING")
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING if ok
                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
     return state
