@@ -24,6 +24,9 @@ class Replica:
         self.channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.enable_retries", 0),
+            # reconnect soon after a replica comes back (the default backoff grows to 120 s)
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 2000),
             # a DNS name with several addresses (a headless Service) spreads calls over them
             ("grpc.lb_policy_name", "round_robin")])
         self.in_flight = 0
@@ -54,6 +57,11 @@ class ReplicaPool:
             await asyncio.gather(self._task, return_exceptions=True)
         for r in self.replicas:
             await r.channel.close()
+
+    @property
+    def any_healthy(self) -> bool:
+        """True while at least one replica passed its latest health check."""
+        return any(r.healthy for r in self.replicas)
 
     @property
     def in_flight(self) -> int:

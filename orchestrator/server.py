@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from orchestrator import metrics
 from orchestrator.audio import resolve_audio_format
-from orchestrator.frontend import StreamingSegmenter, detect_language, split_sentences
+from orchestrator.frontend import StreamingSegmenter, split_sentences
 from orchestrator.latency import LatencyTracker
 from orchestrator.pipeline import Pipeline, SynthesisRequest
 from orchestrator.voices import VoiceSpec
@@ -36,15 +36,23 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.max_in_flight = max_in_flight
         self.in_flight = 0
 
+    def ready(self) -> bool:
+        """SERVING while each backend (text and vocoder) has a healthy replica."""
+        return self.pipeline.text_pool.any_healthy and self.pipeline.vocoder_pool.any_healthy
+
     # -- validation ---------------------------------------------------------------------------
     def _request(self, context, *, voice: str, language_code: str, audio_config, sampling,
-                 request_id: str, sample_text: str) -> SynthesisRequest:
+                 request_id: str) -> SynthesisRequest:
         name = voice or self.default_voice
         spec = self.voices.get(name)
         if spec is None:
             raise NotFound(f"voice: unknown voice {name!r}; available: {sorted(self.voices)}")
-        language = spec.language_for(language_code) if language_code else spec.language_for(
-            detect_language(sample_text)) or spec.languages[0]
+        if language_code:
+            language = spec.language_for(language_code)
+        elif len(spec.languages) == 1:
+            language = spec.languages[0]
+        else:
+            language = ""  # none given: the front end picks each sentence's language by its script
         if language is None:
             raise InvalidArgument(f"language_code: voice {name!r} speaks "
                                   f"{', '.join(spec.languages)} (got {language_code!r})")
@@ -90,12 +98,12 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                                   f"{MAX_TEXT_CHARS}; split it or use StreamingSynthesize")
         req = self._request(context, voice=request.voice, language_code=request.language_code,
                             audio_config=request.audio_config, sampling=request.sampling,
-                            request_id=request.request_id, sample_text=text)
+                            request_id=request.request_id)
         tracker.request_id = req.request_id
         self._admit()
 
         async def texts() -> AsyncIterator[str]:
-            for sentence in split_sentences(text, req.language):
+            for sentence in split_sentences(text, req.language or None):
                 yield sentence
 
         async for msg in self._run("Synthesize", req, texts(), tracker):
@@ -116,12 +124,12 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         c = first.config
         req = self._request(context, voice=c.voice, language_code=c.language_code,
                             audio_config=c.audio_config, sampling=c.sampling,
-                            request_id=c.request_id, sample_text="")
+                            request_id=c.request_id)
         tracker.request_id = req.request_id
         self._admit()
 
         async def texts() -> AsyncIterator[str]:
-            segmenter = StreamingSegmenter(req.language)
+            segmenter = StreamingSegmenter(req.language or None)
             total, blank = 0, True
             async for msg in requests:
                 kind = msg.WhichOneof("request")

@@ -7,18 +7,23 @@ import asyncio
 import sys
 from typing import Awaitable, Callable
 
+from servicekit.errors import ServiceFailed, StartupError
 from servicekit.logs import configure_logging
 
 
 def run_service(prog: str, parser: argparse.ArgumentParser,
                 run: Callable[[argparse.Namespace], Awaitable[None]],
                 argv: list[str] | None = None) -> int:
-    """Run `run(args)` until shutdown; a bad flag, model or voice is one line and exit code 2."""
+    """Run `run(args)` until shutdown; a bad flag, model, voice or busy port is one line and exit
+    code 2, a failure while serving one line and exit code 1 (for a supervisor to restart)."""
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
         asyncio.run(run(args))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, StartupError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    except ServiceFailed as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     return 0

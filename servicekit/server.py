@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import logging
+import secrets
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -16,7 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from servicekit.errors import StatusError
+from servicekit.errors import StartupError, as_status_error
+from servicekit.logs import trace_id
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +29,10 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Service:
-    """One gRPC service to host: its full name, the generated add function and the servicer."""
+    """One gRPC service to host: its full name, the generated add function and the servicer.
+
+    A servicer with a `ready() -> bool` method has its service's health follow it once warm.
+    """
 
     name: str
     add_to_server: Callable[[Any, grpc.aio.Server], None]
@@ -33,11 +40,18 @@ class Service:
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-    if isinstance(exc, StatusError):
-        await context.abort(exc.code, str(exc))
-    log.error("unhandled error in %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: "
-                        f"{type(exc).__name__}: {exc}")
+    status = as_status_error(exc)
+    if status is not None:
+        trailers = ()
+        if status.retry_after_s is not None:
+            trailers = (("grpc-retry-pushback-ms", str(round(1e3 * status.retry_after_s))),)
+        await context.abort(status.code, str(status), trailing_metadata=trailers)
+    # The caller learns only that it failed and the id to quote; the details stay in the log.
+    error_id = trace_id(context) or secrets.token_hex(16)
+    log.error("unhandled error in %s", method, exc_info=exc,
+              extra={"fields": {"method": method, "trace_id": error_id}})
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        f"internal error in {method}; logged with trace id {error_id}")
 
 
 def _guard(behavior: Callable, method: str) -> Callable:
@@ -84,21 +98,76 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def _check_port_free(host: str, port: int, what: str) -> None:
+    """Raise StartupError when another socket already listens on host:port (0 is always free)."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"{what} {host}:{port}: cannot resolve the host ({exc.strerror})") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and http.server
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise StartupError(f"{what} {host}:{port} is already in use by another "
+                                       "process") from None
+
+
+async def _set_health(health_servicer, services: list[Service],
+                      last: dict[str, bool] | None = None) -> dict[str, bool]:
+    """Each service SERVING while its servicer is ready (one without `ready()` always is).
+
+    The server's own entry, "", stays SERVING until the drain: it says the process is alive
+    (a liveness probe), the service names say whether to send it calls (a readiness probe).
+    """
+    state = {s.name: bool(s.servicer.ready()) if callable(getattr(s.servicer, "ready", None))
+             else True for s in services}
+    state[""] = True
+    for name, ok in state.items():
+        if last is None or last.get(name) != ok:
+            if last is not None:
+                log.warning("health of %s is now %s", name, "SERVING" if ok else "NOT_SERVING")
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING if ok
+                                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+    return state
+
+
+async def _follow_readiness(health_servicer, services: list[Service], state: dict[str, bool],
+                            interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        state = await _set_health(health_servicer, services, state)
+
+
 async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int = 0,
                 metrics_port: int | None = 0, warmup: Callable[[], Awaitable[None] | None] | None = None,
                 grace_s: float = 10.0, on_stop: Callable[[], Awaitable[None] | None] | None = None,
                 stop_event: asyncio.Event | None = None,
-                serving_info: Callable[[int], Awaitable[dict] | dict] | None = None) -> None:
+                serving_info: Callable[[int], Awaitable[dict] | dict] | None = None,
+                ready_interval_s: float = 0.5) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then drain in-flight calls for `grace_s`.
 
     Health reports NOT_SERVING until `warmup` returns and again while draining. Once serving, one
     JSON line `{"event": "serving", "port": ..., "metrics_port": ...}` goes to stdout so a parent
     process that asked for port 0 learns the bound ports. `serving_info`, called with the bound
     gRPC port once warm, returns extra fields for that line (e.g. another port it bound).
+    A servicer's `ready()` is polled every `ready_interval_s` once warm. A busy port raises
+    StartupError before anything starts.
     """
+    with_metrics = metrics_port is not None and metrics_port >= 0
+    _check_port_free(host, port, "gRPC port")
+    if with_metrics:
+        _check_port_free(host, metrics_port, "metrics port")
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # gRPC sets SO_REUSEPORT by default, which lets a second server share a busy port
+        ("grpc.so_reuseport", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.name for s in services]
@@ -109,14 +178,23 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.50 raises where older versions returned 0
+        bound_port = 0
     if bound_port == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise StartupError(f"gRPC port {host}:{port} could not be bound (in use, or not an "
+                           "address of this host)")
     await server.start()
 
     bound_metrics = None
-    if metrics_port is not None and metrics_port >= 0:
-        httpd, _ = start_http_server(metrics_port, addr=host)
+    if with_metrics:
+        try:
+            httpd, _ = start_http_server(metrics_port, addr=host)
+        except OSError as exc:
+            await server.stop(None)
+            raise StartupError(f"metrics port {host}:{metrics_port} could not be bound: "
+                               f"{exc.strerror or exc}") from None
         bound_metrics = httpd.server_port
 
     stop = stop_event or asyncio.Event()
@@ -138,12 +216,15 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     except BaseException:
         await server.stop(None)
         raise
-    for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    state = await _set_health(health_servicer, services)
+    readiness = loop.create_task(_follow_readiness(health_servicer, services, state,
+                                                   ready_interval_s))
     print(json.dumps({"event": "serving", "services": names, "host": host, "port": bound_port,
                       "metrics_port": bound_metrics, **(extra or {})}), flush=True)
 
     await stop.wait()
+    readiness.cancel()
+    await asyncio.gather(readiness, return_exceptions=True)
     await health_servicer.enter_graceful_shutdown()
     log.info("draining for up to %.1f s", grace_s)
     await server.stop(grace_s)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import servicekit  # noqa: F401  (torch backend auto-loading off before torch loads)
 from servicekit.cli import run_service
+from servicekit.errors import ServiceFailed
 from servicekit.server import Service, serve
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "voices" / "default" / "lm"
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in flight before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-num-waiting", type=int, default=1024,
+                   help="sequences the scheduler queues before RESOURCE_EXHAUSTED")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
@@ -51,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def run(args: argparse.Namespace) -> None:
+    import asyncio
+
     import torch
 
     from splittts.text.v1 import text_pb2, text_pb2_grpc
@@ -67,8 +72,13 @@ async def run(args: argparse.Namespace) -> None:
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=args.prefix_caching))
-    async_engine = AsyncEngine(engine, max_pending=args.max_pending)
+        max_model_len=args.max_model_len, max_num_waiting=args.max_num_waiting,
+        enable_prefix_caching=args.prefix_caching))
+    # A dead engine loop stops the server (health NOT_SERVING, in-flight calls already failed)
+    # and the process exits non-zero for its supervisor to restart it.
+    stop = asyncio.Event()
+    async_engine = AsyncEngine(engine, max_pending=args.max_pending,
+                               on_failure=lambda exc: stop.set())
     servicer = TextGenerationServicer(async_engine, Path(args.model).resolve().name)
 
     def warmup() -> None:  # one short request through every path before SERVING
@@ -79,7 +89,10 @@ async def run(args: argparse.Namespace) -> None:
     await serve([Service(name, text_pb2_grpc.add_TextGenerationServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                warmup=warmup, grace_s=args.grace, on_stop=async_engine.stop)
+                warmup=warmup, grace_s=args.grace, on_stop=async_engine.stop, stop_event=stop)
+    if async_engine.error is not None:
+        raise ServiceFailed("the engine loop stopped after an internal error (logged above); "
+                            "exiting so that a supervisor restarts the service")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,9 +8,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from text_service.engine import LLMEngine
-from text_service.errors import CapacityError
+from text_service.errors import CapacityError, EngineDeadError
 from text_service.sampling_params import SamplingParams
 from text_service.sequence import Sequence
 
@@ -49,18 +50,27 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns the engine thread. `add` and `abort` may be called from the event loop at any time."""
+    """Owns the engine thread. `add` and `abort` may be called from the event loop at any time.
 
-    def __init__(self, engine: LLMEngine, max_pending: int = 256):
+    The event loop owns `_streams`; the engine thread keeps its own map of the requests it runs
+    and hands every result back through `call_soon_threadsafe`, so neither reads what the other
+    mutates. If the loop dies, every request fails at once, `error` is set, `add` refuses work
+    and `on_failure` is called on the event loop.
+    """
+
+    def __init__(self, engine: LLMEngine, max_pending: int = 256,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.max_pending = max_pending
-        self._streams: dict[str, RequestStream] = {}
+        self.on_failure = on_failure
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._running: dict[str, RequestStream] = {}  # engine thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.stats: dict = engine.stats()
+        self.stats: dict = engine.stats()  # replaced whole by the engine thread
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -78,8 +88,14 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._streams)
 
+    def ready(self) -> bool:
+        """True while the engine loop runs."""
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Admit a request (already validated); raises CapacityError past `max_pending`."""
+        if self.error is not None:
+            raise EngineDeadError()
         if len(self._streams) >= self.max_pending:
             raise CapacityError(f"{len(self._streams)} requests in flight (max_pending="
                                 f"{self.max_pending}); retry later")
@@ -87,7 +103,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         stream = RequestStream(request_id, time.perf_counter())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, stream.arrival_time))
+        self._commands.put(("add", stream, prompt_token_ids, params))
         self._wake.set()
         return stream
 
@@ -102,11 +118,23 @@ class AsyncEngine:
         """Forget a finished request."""
         self._streams.pop(request_id, None)
 
+    # -- event loop, called from the engine thread ----------------------------------------------
+    @staticmethod
+    def _push(stream: RequestStream, item) -> None:
+        if isinstance(item, TokenEvent) and item.finished:
+            stream.finished = True
+        stream.queue.put_nowait(item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.error = exc
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError())
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
     # -- engine thread ----------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _deliver(self, stream: RequestStream, item) -> None:
+        self._loop.call_soon_threadsafe(self._push, stream, item)
 
     def _apply_commands(self) -> None:
         while True:
@@ -115,14 +143,15 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, arrival = cmd
-                if rid not in self._streams:
-                    continue  # cancelled before it reached the engine
+                _, stream, prompt, params = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(stream.request_id, prompt, params,
+                                            arrival_time=stream.arrival_time)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    self._deliver(rid, exc)
-            else:
+                    self._deliver(stream, exc)
+                else:
+                    self._running[stream.request_id] = stream
+            elif self._running.pop(cmd[1], None) is not None:
                 self.engine.abort_request(cmd[1])
 
     def _run(self) -> None:
@@ -139,13 +168,15 @@ class AsyncEngine:
                 for out in outputs:
                     if out.new_token_ids or out.finished:
                         rid = out.seq.seq_id
-                        if out.finished and rid in self._streams:
-                            self._streams[rid].finished = True
-                        self._deliver(rid, TokenEvent(list(out.new_token_ids), out.finished,
-                                                      out.seq, now))
+                        stream = self._running.pop(rid) if out.finished else self._running.get(rid)
+                        if stream is not None:
+                            self._deliver(stream, TokenEvent(list(out.new_token_ids), out.finished,
+                                                             out.seq, now))
                 self.stats = self.engine.stats()
         except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
-            log.exception("engine loop crashed")
-            self.error = exc
-            for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"engine failed: {exc}"))
+            log.exception("engine loop crashed; failing every request")
+            self._running.clear()
+            try:
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+            except RuntimeError:  # the event loop is already closed
+                pass

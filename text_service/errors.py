@@ -24,3 +24,13 @@ class CapacityError(EngineError):
     """The engine is full right now: reported as RESOURCE_EXHAUSTED, retry later."""
 
     status_code = "RESOURCE_EXHAUSTED"
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped after an internal error: UNAVAILABLE, retry on another replica."""
+
+    status_code = "UNAVAILABLE"
+
+    def __init__(self) -> None:
+        super().__init__("the text engine stopped after an internal error; this replica is "
+                         "restarting, retry on another one")

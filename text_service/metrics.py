@@ -1,5 +1,7 @@
 """Prometheus metrics of the text service, named in vLLM's style."""
 
+from typing import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -27,15 +29,14 @@ PREFIX_HITS = Gauge("splittts_text_prefix_cache_hits",
 PREEMPTIONS = Gauge("splittts_text_num_preemptions", "Preemptions so far (cumulative).")
 PROMPT_TOKENS = Counter("splittts_text_prompt_tokens", "Prompt tokens received.")
 GENERATION_TOKENS = Counter("splittts_text_generation_tokens", "Tokens generated.")
-REQUESTS = Counter("splittts_text_request_success", "Finished requests by finish reason.",
+REQUESTS = Counter("splittts_text_request_success",
+                   "Requests by outcome: stop, length, or deadline, cancelled, rejected, failed.",
                    ["finished_reason"])
 
 
-def publish_engine_stats(stats: dict) -> None:
-    """Copy the engine thread's latest stats into the gauges."""
-    RUNNING.set(stats.get("num_running", 0))
-    WAITING.set(stats.get("num_waiting", 0))
-    KV_USAGE.set(stats.get("kv_cache_usage", 0.0))
-    PREFIX_QUERIES.set(stats.get("prefix_cache_queries", 0))
-    PREFIX_HITS.set(stats.get("prefix_cache_hits", 0))
-    PREEMPTIONS.set(stats.get("num_preemptions", 0))
+def follow_engine_stats(stats: Callable[[], dict]) -> None:
+    """Read the gauges from `stats()` (the engine thread's latest) at every scrape."""
+    for gauge, key in ((RUNNING, "num_running"), (WAITING, "num_waiting"),
+                       (KV_USAGE, "kv_cache_usage"), (PREFIX_QUERIES, "prefix_cache_queries"),
+                       (PREFIX_HITS, "prefix_cache_hits"), (PREEMPTIONS, "num_preemptions")):
+        gauge.set_function(lambda key=key: stats().get(key, 0))

@@ -78,14 +78,17 @@ class SamplingParams:
                 f"prompt ({prompt_len}) + max_tokens ({self.max_tokens}) exceeds "
                 f"max_model_len={max_model_len}; lower max_tokens to at most "
                 f"{max_model_len - prompt_len}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("temperature", "must be a finite number >= 0 (0 = greedy)")
+        # Bounds that keep logits finite: a tiny temperature or penalty scales them to inf.
+        if not _is_number(self.temperature) or not (self.temperature == 0
+                                                     or self.temperature >= 1e-4):
+            raise InvalidRequestError("temperature",
+                                      "must be 0 (greedy) or a finite number >= 0.0001")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError("top_k", "must be an integer >= 0 (0 = off)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", "must lie in (0, 1] (1 = off)")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequestError("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        if not _is_number(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            raise InvalidRequestError("repetition_penalty", "must lie in [0.01, 100] (1 = off)")
         if not _is_int(self.repetition_window) or self.repetition_window < 0:
             raise InvalidRequestError("repetition_window", "must be an integer >= 0 (0 = all)")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):

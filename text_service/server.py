@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -25,6 +26,20 @@ _FIELD_NAMES = {"temperature": "sampling.temperature", "top_k": "sampling.top_k"
                 "top_p": "sampling.top_p", "repetition_penalty": "sampling.repetition_penalty",
                 "repetition_window": "sampling.repetition_window", "seed": "sampling.seed",
                 "allowed_token_range": "allowed_tokens"}
+
+# A client's own deadline expires a transit time before ours, and its cancel can arrive first.
+_DEADLINE_SLACK_S = 0.25
+
+
+def max_bytes_per_token(tokenizer) -> int:
+    """A bound on the UTF-8 bytes of text one token can cover, from the longest vocabulary entry.
+
+    Byte-level and SentencePiece vocabularies spell a byte with at least one character; the
+    factor 4 leaves room for normalisers that fold several input characters into one.
+    """
+    if tokenizer is None:
+        return 0
+    return 4 * max(len(t.encode()) for t in tokenizer.get_vocab())
 
 
 def _ms(a: float | None, b: float | None) -> float:
@@ -59,8 +74,14 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         core = engine.engine
         self.vocab_size = core.config.vocab_size
         self.max_model_len = core.config.max_model_len
+        self.max_prompt_bytes = self.max_model_len * max_bytes_per_token(core.tokenizer)
+        metrics.follow_engine_stats(lambda: self.engine.stats)
 
-    def _prompt(self, request: pb.GenerateRequest) -> tuple[str, list[int]]:
+    def ready(self) -> bool:
+        """SERVING while the engine loop runs."""
+        return self.engine.ready()
+
+    async def _prompt(self, request: pb.GenerateRequest) -> tuple[str, list[int]]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text.strip():
@@ -68,11 +89,23 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             tokenizer = self.engine.engine.tokenizer
             if tokenizer is None:
                 raise InvalidArgument("text: this model has no tokenizer.json; send token_ids")
-            return "text", tokenizer.encode(request.text, add_special_tokens=False).ids
+            # Sizes first: a text this long cannot fit, and tokenising it would take a while.
+            size = len(request.text.encode())
+            if size > self.max_prompt_bytes:
+                raise InvalidArgument(
+                    f"text: {size} bytes cannot fit the model's limit max_model_len="
+                    f"{self.max_model_len} tokens (at most {self.max_prompt_bytes} bytes)")
+            encoding = await asyncio.to_thread(tokenizer.encode, request.text,
+                                               add_special_tokens=False)
+            return "text", encoding.ids
         if kind == "token_ids":
-            ids = list(request.token_ids.ids)
+            ids = request.token_ids.ids
             if not ids:
                 raise InvalidArgument("token_ids.ids: must not be empty")
+            if len(ids) > self.max_model_len:
+                raise InvalidArgument(f"token_ids.ids: prompt of {len(ids)} tokens is longer than "
+                                      f"the model's limit max_model_len={self.max_model_len}")
+            ids = list(ids)
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"token_ids.ids: id {bad} is outside the vocabulary "
@@ -105,7 +138,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
 
     async def Generate(self, request, context):
         """Stream the sampled token ids; the last message has finish reason, usage, timings."""
-        field, prompt = self._prompt(request)
+        field, prompt = await self._prompt(request)
         params = self._params(request, field, len(prompt))
         request_id = request.request_id or uuid.uuid4().hex
         try:
@@ -119,6 +152,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         sent, pending, token_times = 0, [], []
         first_sent = last_event = None
         seq = None
+        outcome = "cancelled"
         try:
             while True:
                 events = await stream.next_events()
@@ -136,10 +170,18 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     pending = []
                 if done:
                     break
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            outcome = ("deadline" if remaining is not None and remaining < _DEADLINE_SLACK_S
+                       else "cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - counted, then mapped to a status by servicekit
+            outcome = "rejected" if isinstance(exc, CapacityError) else "failed"
+            raise
         finally:
             if last_event is None or not last_event.finished:
                 self.engine.abort(request_id)  # cancelled or failed: free its cache now
-                metrics.REQUESTS.labels("abort").inc()
+                metrics.REQUESTS.labels(outcome).inc()
             else:
                 self.engine.release(request_id)
         end = time.perf_counter()
@@ -170,12 +212,10 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             metrics.ITL.observe(b - a)
         metrics.GENERATION_TOKENS.inc(len(token_times))
         metrics.REQUESTS.labels(seq.finish_reason or "unknown").inc()
-        metrics.publish_engine_stats(self.engine.stats)
 
     async def GetModelInfo(self, request, context):
         """The loaded model and the engine's limits and load."""
         core, stats = self.engine.engine, self.engine.stats
-        metrics.publish_engine_stats(stats)
         return pb.ModelInfo(
             model=self.model_name, model_type=core.model_config.model_type,
             vocab_size=core.config.vocab_size, max_model_len=core.config.max_model_len,

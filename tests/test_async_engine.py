@@ -1,0 +1,112 @@
+"""AsyncEngine's hand-off between the event loop and the engine thread, with a stand-in engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from text_service.async_engine import AsyncEngine
+from text_service.engine import StepOutput
+from text_service.errors import EngineDeadError
+from text_service.sampling_params import SamplingParams
+from text_service.sequence import Sequence
+
+
+class FakeEngine:
+    """Emits one token per request per step; `step` raises once `fail` is set."""
+
+    def __init__(self):
+        self.seqs: dict[str, Sequence] = {}
+        self.fail = threading.Event()
+        self.aborted: list[str] = []
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.seqs)}
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self.seqs[rid] = Sequence(rid, list(prompt), params, arrival_time or 0.0)
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+        return self.seqs.pop(rid, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self) -> list[StepOutput]:
+        if self.fail.is_set():
+            raise RuntimeError("device lost at 0xdeadbeef")
+        threading.Event().wait(0.005)
+        outs = []
+        for rid, seq in list(self.seqs.items()):
+            seq.token_ids.append(7)
+            done = seq.num_output_tokens >= seq.sampling_params.max_tokens
+            if done:
+                del self.seqs[rid]
+            outs.append(StepOutput(seq, [7], done))
+        return outs
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_tokens_stream_and_finish_without_sharing_the_stream_map():
+    async def main():
+        engine = FakeEngine()
+        ae = AsyncEngine(engine)
+        ae.start()
+        stream = ae.add("a", [1, 2], SamplingParams(max_tokens=5))
+        tokens, finished = [], False
+        while not finished:
+            for ev in await stream.next_events():
+                tokens += ev.token_ids
+                finished = ev.finished
+        assert tokens == [7] * 5 and stream.finished
+        ae.release("a")
+        assert ae.num_pending == 0
+        ae.stop()
+    run(main())
+
+
+def test_abort_before_the_engine_saw_the_request_frees_it():
+    async def main():
+        engine = FakeEngine()
+        ae = AsyncEngine(engine)
+        ae.start()
+        ae.add("a", [1], SamplingParams(max_tokens=10_000))
+        ae.abort("a")  # the add and the abort reach the engine thread in that order
+        for _ in range(200):
+            if not engine.seqs and "a" in engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.seqs and engine.aborted == ["a"]
+        ae.stop()
+    run(main())
+
+
+def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones():
+    async def main():
+        engine = FakeEngine()
+        failures = []
+        ae = AsyncEngine(engine, on_failure=failures.append)
+        ae.start()
+        running = ae.add("running", [1], SamplingParams(max_tokens=10_000))
+        await running.next_events()  # it is in the engine and producing
+        assert ae.ready()
+        engine.fail.set()
+        queued = ae.add("queued", [1], SamplingParams(max_tokens=10_000))
+        for stream in (running, queued):
+            with pytest.raises(EngineDeadError) as err:
+                while True:
+                    await stream.next_events()
+            assert err.value.status_code == "UNAVAILABLE"
+            assert "RuntimeError" not in str(err.value) and "0xdeadbeef" not in str(err.value)
+        assert len(failures) == 1 and isinstance(failures[0], RuntimeError)
+        assert not ae.ready() and ae.error is failures[0]
+        with pytest.raises(EngineDeadError):
+            ae.add("late", [1], SamplingParams())
+        ae.stop()
+    run(main())

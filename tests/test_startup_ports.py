@@ -1,0 +1,76 @@
+"""A second server on a busy port fails at start-up with one line naming the port (real processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.hf_models import make_tiny_model
+from tests.procs import ROOT, ServiceProcess
+from tests.voices import make_tts_voice
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("lm"), "qwen3_5", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def voice_dir(tmp_path_factory):
+    return make_tts_voice(tmp_path_factory.mktemp("voices"))
+
+
+def second(module: str, *args: str, port: int = 0, metrics_port: int = -1) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
+                           "--metrics-port", str(metrics_port), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=90)
+
+
+def assert_refused(result: subprocess.CompletedProcess, line: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert "Traceback" not in result.stderr and '"event": "serving"' not in result.stdout
+
+
+def test_text_service_refuses_a_busy_grpc_or_metrics_port(model_dir):
+    args = ("--model", str(model_dir), "--kv-cache-memory", "32MiB", "--threads", "1")
+    first = ServiceProcess("text_service", *args)
+    try:
+        assert_refused(second("text_service", *args, port=first.port),
+                       f"text-service: gRPC port 127.0.0.1:{first.port} is already in use by "
+                       "another process")
+        assert_refused(second("text_service", *args, metrics_port=first.metrics_port),
+                       f"text-service: metrics port 127.0.0.1:{first.metrics_port} is already in "
+                       "use by another process")
+        assert first.alive() and first.health() == 1  # SERVING, untouched
+    finally:
+        assert first.stop() == 0
+
+
+def test_vocoder_service_refuses_a_busy_grpc_port(voice_dir):
+    args = ("--voice", str(voice_dir), "--threads", "1")
+    first = ServiceProcess("vocoder_service", *args)
+    try:
+        assert_refused(second("vocoder_service", *args, port=first.port),
+                       f"vocoder-service: gRPC port 127.0.0.1:{first.port} is already in use by "
+                       "another process")
+    finally:
+        assert first.stop() == 0
+
+
+def test_orchestrator_refuses_a_busy_grpc_or_http_port(voice_dir):
+    # Backends need not be up for the orchestrator to bind its ports.
+    args = ("--voice", str(voice_dir), "--text-service", "127.0.0.1:1",
+            "--vocoder-service", "127.0.0.1:1")
+    first = ServiceProcess("orchestrator", *args, "--http-port", "0")
+    try:
+        assert_refused(second("orchestrator", *args, "--http-port", "-1", port=first.port),
+                       f"orchestrator: gRPC port 127.0.0.1:{first.port} is already in use by "
+                       "another process")
+        http_port = first.info["http_port"]
+        result = second("orchestrator", *args, "--http-port", str(http_port))
+        assert result.returncode == 2 and str(http_port) in result.stderr.strip().splitlines()[-1]
+    finally:
+        assert first.stop() == 0
