@@ -39,15 +39,22 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
 class SynthesisRequest:
     """A validated request, whatever RPC it came from."""
 
-    request_id: str
+    request_id: str  # the caller's (or a made-up) id: a label in logs and traces only
     voice: VoiceSpec
-    language: str
+    language: str  # "" = each sentence's language from its script (FrontEnd.process)
     encoding: str
     sample_rate_hz: int
     speaking_rate: float
     sampling: dict
     trace_id: str
     arrival: float = field(default_factory=time.perf_counter)
+    # unique per call: the downstream services key their work by it, so two calls that carry
+    # the same caller id never collide
+    call_id: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    @property
+    def downstream_id(self) -> str:
+        return f"{self.request_id}.{self.call_id}"
 
 
 def child_traceparent(trace_id: str) -> tuple[tuple[str, str], ...]:
@@ -56,9 +63,10 @@ def child_traceparent(trace_id: str) -> tuple[tuple[str, str], ...]:
 
 
 def downstream_error(service: str, replica: Replica, exc: grpc.aio.AioRpcError) -> StatusError:
+    """The caller's status for a failed downstream call; the replica's address goes to the log only."""
     code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-    return StatusError(f"{service} service at {replica.address}: {exc.code().name}: "
-                       f"{exc.details()}", code)
+    log.warning("%s replica %s failed: %s: %s", service, replica.address, exc.code().name, exc.details())
+    return StatusError(f"{service} service: {exc.code().name}: {exc.details()}", code)
 
 
 class _Segment:
@@ -189,7 +197,7 @@ class Pipeline:
         """Audio chunks as they are made; the caller appends tracker.report()."""
         out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz,
                           self._stretch(req))
-        vocoder = VocodeSession(self.vocoder_pool, req.voice, req.request_id, req.trace_id)
+        vocoder = VocodeSession(self.vocoder_pool, req.voice, req.downstream_id, req.trace_id)
         outbox: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
         try:
@@ -310,7 +318,7 @@ class Pipeline:
         if seg.plan is not None:
             p, (lo, hi) = seg.plan, voice.speech_token_range
             return text_pb2.GenerateRequest(
-                request_id=f"{req.request_id}-{index}", token_ids=text_pb2.TokenIds(ids=p.prompt_ids),
+                request_id=f"{req.downstream_id}-{index}", token_ids=text_pb2.TokenIds(ids=p.prompt_ids),
                 sampling=sampling, max_tokens=p.max_output_tokens,  # the plan bounds the output
                 stop_token_ids=[voice.end_token_id], stream_chunk_tokens=self.stream_chunk_tokens,
                 phoneme_sync=text_pb2.PhonemeSync(
@@ -319,7 +327,7 @@ class Pipeline:
                     max_tokens=p.max_tokens))
         allowed = voice.allowed_token_range or voice.speech_token_range
         return text_pb2.GenerateRequest(
-            request_id=f"{req.request_id}-{index}",
+            request_id=f"{req.downstream_id}-{index}",
             text=voice.prompt_template.replace("{text}", seg.model_input), sampling=sampling,
             max_tokens=max_tokens, stop_token_ids=[voice.end_token_id],
             stream_chunk_tokens=self.stream_chunk_tokens,

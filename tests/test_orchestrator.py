@@ -214,6 +214,25 @@ def test_cancel_releases_both_downstream_streams(deployment):
     assert metric_value(text, "splittts_tts_requests_in_flight") == 0.0
 
 
+def test_concurrent_calls_with_the_same_request_id_both_complete(deployment):
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(synthesize(deployment.address, text="the same id twice, at once",
+                                      request_id="same-id"))
+        except grpc.RpcError as exc:  # pragma: no cover - the failure this test guards against
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 2
+    assert all(report.request_id == "same-id" and chunks for chunks, report in results)
+
+
 def test_metrics_and_trace_propagation(deployment):
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     ch, stub = tts(deployment.address)

@@ -151,7 +151,7 @@ def test_a_full_waiting_queue_is_resource_exhausted_with_a_retry_hint(model_dir)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub(ch).Generate(pb.GenerateRequest(**LONG), timeout=30))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
-            assert err.value.details() == "1 requests are already waiting (max_num_waiting); retry later"
+            assert err.value.details() == "the waiting queue is full (1 of max_num_waiting=1); retry later"
             assert dict(err.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
             running.cancel()
             waiting.cancel()

@@ -116,7 +116,8 @@ class Scheduler:
                 f"whole cache holds ({self.block_manager.num_blocks * cfg.block_size})")
         if len(self.waiting) >= cfg.max_num_waiting:
             raise CapacityError(
-                f"{len(self.waiting)} requests are already waiting (max_num_waiting); retry later")
+                f"the waiting queue is full ({len(self.waiting)} of max_num_waiting="
+                f"{cfg.max_num_waiting}); retry later")
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
