@@ -304,9 +304,9 @@ def test_cli_synthesize_against_server(deployment, tmp_path):
 @pytest.mark.parametrize("args,match", [
     (["synthesize", "", "-o", "x.wav"], "TEXT is empty"),
     (["synthesize", "hi", "-o", "x.wav", "--voice", "nobody"], "NOT_FOUND"),
-    (["synthesize", "hi", "-o", "x.wav", "--speaking-rate", "9"], "speaking_rate"),
-    (["synthesize", "hi", "-o", "x.wav", "--format", "mp3"], "--format"),
-    (["synthesize", "hi", "-o", "x.wav", "--sample-rate", "5"], "sample_rate_hz"),
+    (["synthesize", "hi", "-o", "x.wav", "--speaking-rate", "9"], "--speaking-rate"),
+    (["synthesize", "hi", "-o", "x.wav", "--format", "aiff"], "--format"),
+    (["synthesize", "hi", "-o", "x.wav", "--sample-rate", "5"], "--sample-rate"),
     (["synthesize", "hi", "-o", "x.wav", "--bogus"], "unrecognized arguments"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(deployment, tmp_path, args, match):
