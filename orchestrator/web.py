@@ -15,6 +15,8 @@ server -> client
     float64 first sample) followed by the chunk's LINEAR16 PCM
   {"type": "started", "request_id"}, {"type": "report", "report": {...}},
   {"type": "stopped"}, {"type": "error", "code", "message", "detail"}
+
+The same port serves the OpenAI-compatible speech API (`openai_api.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import grpc
 from aiohttp import WSMsgType, web
 from google.protobuf import json_format
 
+from orchestrator.openai_api import OpenAISpeech
 from splittts.tts.v1 import tts_pb2 as pb
 from splittts.tts.v1 import tts_pb2_grpc
 
@@ -176,7 +179,7 @@ class _Session:
 
 
 class WebDemo:
-    """aiohttp app serving the page, /api/voices, /api/status and the /ws relay."""
+    """aiohttp app serving the page, /api/voices, /api/status, the /ws relay and OpenAI's /v1."""
 
     def __init__(self, grpc_target: str):
         self.grpc_target = grpc_target
@@ -197,6 +200,7 @@ class WebDemo:
         app.router.add_get("/api/status", self.status)
         app.router.add_get("/ws", self.websocket)
         app.router.add_static("/static/", STATIC_DIR, follow_symlinks=False)
+        OpenAISpeech(self._stub).add_routes(app)
         app.on_shutdown.append(self._close_sockets)
         return app
 
