@@ -28,9 +28,6 @@ ENCODINGS = {"pcm": "LINEAR16", "linear16": "LINEAR16", "raw": "LINEAR16", "wav"
              "al": "ALAW", "aac": "AAC"}
 FORMAT_CHOICES = "wav, flac, ogg (Opus), mp3, aac, mulaw, alaw or pcm"
 EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
-# the public API's limits (orchestrator/audio.py), checked here before anything starts
-MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
-MIN_SPEAKING_RATE, MAX_SPEAKING_RATE = 0.5, 2.0
 
 
 class BadInput(Exception):
@@ -90,16 +87,18 @@ def format_for(args) -> str:
 
 def check_audio_flags(args) -> None:
     """The audio flags against the API's rules, so a mistake costs no service start-up."""
+    from orchestrator.audio import (MAX_SAMPLE_RATE, MAX_SPEAKING_RATE, MIN_SAMPLE_RATE,
+                                    MIN_SPEAKING_RATE)
+
     rate = args.sample_rate
     if rate is not None and rate != 0 and not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
         raise BadInput(f"--sample-rate must be between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE} "
-                       f"Hz (got {rate}); audio_config.sample_rate_hz follows the same rule")
+                       f"Hz, or 0 for the voice's own (got {rate})")
     speed = args.speaking_rate
     if speed is not None and speed != 0 and not (
             math.isfinite(speed) and MIN_SPEAKING_RATE <= speed <= MAX_SPEAKING_RATE):
         raise BadInput(f"--speaking-rate must be between {MIN_SPEAKING_RATE} and "
-                       f"{MAX_SPEAKING_RATE} (got {speed}); audio_config.speaking_rate follows "
-                       "the same rule")
+                       f"{MAX_SPEAKING_RATE} (got {speed})")
 
 
 def build_request(args, text: str):

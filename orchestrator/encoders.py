@@ -19,6 +19,7 @@ Compressed encoders write nothing, not even a header, when no samples came at al
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
 from typing import BinaryIO, Protocol
 
 import numpy as np
@@ -67,6 +68,7 @@ class PcmEncoder:
         return self._take_header()  # an empty WAV is still a header
 
 
+@lru_cache(maxsize=2)
 def _g711_table(law: str) -> np.ndarray:
     """Code byte for every int16 value (ITU-T G.711, the reference segment search)."""
     x = np.arange(-32768, 32768, dtype=np.int32)
@@ -89,16 +91,11 @@ def _g711_table(law: str) -> np.ndarray:
     return np.roll(table, -32768)  # index by the int16's bits read as uint16
 
 
-_G711 = {}
-
-
 class G711Encoder:
     """MULAW or ALAW: one code byte per sample."""
 
     def __init__(self, law: str):
-        if law not in _G711:
-            _G711[law] = _g711_table(law)
-        self._table = _G711[law]
+        self._table = _g711_table(law)
 
     def encode(self, samples: np.ndarray) -> bytes:
         return self._table[to_int16(samples).view(np.uint16)].tobytes()

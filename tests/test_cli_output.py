@@ -131,7 +131,8 @@ def test_missing_voice_dir_is_one_line_and_exit_2(tmp_path):
 @pytest.mark.parametrize("args, match", [
     (["--speaking-rate", "9"], "--speaking-rate must be between 0.5 and 2.0 (got 9.0)"),
     (["--speaking-rate", "nan"], "--speaking-rate must be between"),
-    (["--sample-rate", "5"], "--sample-rate must be between 8000 and 48000 Hz (got 5)"),
+    (["--sample-rate", "5"], "--sample-rate must be between 8000 and 48000 Hz, or 0 for the "
+                            "voice's own (got 5)"),
     (["--format", "aiff"], "--format: unsupported 'aiff'"),
     (["-o", "x.aiff"], "--format: unsupported 'aiff'")])
 def test_flags_are_checked_before_any_service_starts(voice_dir, tmp_path, args, match):
