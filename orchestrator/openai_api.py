@@ -133,7 +133,7 @@ def parse_speech_request(body: object) -> SpeechRequest:
         raise ApiError(400, "voice: must be a voice name (GET /v1/audio/voices) or {\"id\": name}",
                        "voice", "missing_field" if voice is None else "invalid_value")
     fmt = body.get("response_format", "mp3")
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ApiError(400, f"response_format: must be one of {', '.join(FORMATS)} (got {fmt!r})",
                        "response_format", "invalid_value")
     speed = body.get("speed", 1.0)

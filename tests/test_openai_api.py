@@ -170,7 +170,11 @@ def test_errors_are_openai_style(client, kwargs, error, status, param):
 
 def test_malformed_bodies_are_400_and_the_server_stays_up(deployment, client, reference):
     url = deployment.http_url + "v1/audio/speech"
-    for data in (b"{not json", b"[1, 2]", json.dumps({"input": "hi", "voice": "tiny"}).encode()):
+    malformed = (b"{not json", b"[1, 2]", json.dumps({"input": "hi", "voice": "tiny"}).encode(),
+                 json.dumps({"model": "tts-1", "input": "hi", "voice": "tiny",
+                             "response_format": ["mp3"]}).encode(),
+                 json.dumps({"model": "tts-1", "input": ["hi"], "voice": {"id": 3}}).encode())
+    for data in malformed:
         req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=30)
