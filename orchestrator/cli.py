@@ -141,6 +141,7 @@ class AudioSink:
 
     def __init__(self, output: str, encoding: str):
         self.encoding, self.num_samples = encoding, 0
+        self.head = b""  # the header's bytes, for an output that cannot be read back
         if output == "-":
             self.path, self.part, self.file = None, None, sys.stdout.buffer
         else:
@@ -158,6 +159,8 @@ class AudioSink:
             return False
 
     def write(self, chunk) -> None:
+        if len(self.head) < 64:
+            self.head += chunk.audio[:64 - len(self.head)]
         self.file.write(chunk.audio)
         self.file.flush()
         self.num_samples = chunk.first_sample + round(chunk.duration_s * chunk.sample_rate_hz)
@@ -167,7 +170,7 @@ class AudioSink:
         if complete and self.start is not None:
             from orchestrator.encoders import fill_in_sizes
 
-            fill_in_sizes(self.file, self.start, self.encoding, self.num_samples)
+            fill_in_sizes(self.file, self.start, self.encoding, self.num_samples, self.head)
         if self.path is None:
             self.file.flush()
             return

@@ -206,8 +206,13 @@ def make_encoder(encoding: str, sample_rate: int) -> Encoder:
     return AvEncoder(encoding, sample_rate)
 
 
-def fill_in_sizes(f: BinaryIO, start: int, encoding: str, num_samples: int) -> None:
-    """Writes a finished stream's real sizes into its header in the seekable file `f`."""
+def fill_in_sizes(f: BinaryIO, start: int, encoding: str, num_samples: int,
+                  head: bytes | None = None) -> None:
+    """Writes a finished stream's real sizes into its header in the seekable file `f`.
+
+    `start` is where the stream begins in `f`; `head`, its first bytes, stands in for reading
+    them back when `f` is write-only (a redirected standard output).
+    """
     end = f.seek(0, 2)
     if encoding == "WAV" and end - start >= WAV_HEADER_BYTES:
         data_bytes = end - start - WAV_HEADER_BYTES
@@ -216,12 +221,16 @@ def fill_in_sizes(f: BinaryIO, start: int, encoding: str, num_samples: int) -> N
             f.write(struct.pack("<I", data_bytes + 36))
             f.seek(start + 40)
             f.write(struct.pack("<I", data_bytes))
-    elif encoding == "FLAC" and end - start >= 42:
+    elif encoding == "FLAC" and end - start >= 42 and num_samples < 1 << 36:
         # "fLaC", a 4-byte block header, then STREAMINFO; total samples are its bits 108-143.
-        f.seek(start + 8 + 13)
-        head = f.read(5)
-        if len(head) == 5 and num_samples < 1 << 36:
-            packed = (int.from_bytes(head, "big") & ~((1 << 36) - 1)) | num_samples
-            f.seek(start + 8 + 13)
+        at = start + 8 + 13
+        if head is None:
+            f.seek(at)
+            field = f.read(5)
+        else:
+            field = head[at - start:at - start + 5]
+        if len(field) == 5:
+            packed = (int.from_bytes(field, "big") & ~((1 << 36) - 1)) | num_samples
+            f.seek(at)
             f.write(packed.to_bytes(5, "big"))
     f.seek(end)

@@ -75,9 +75,14 @@ def test_wav_to_a_pipe_keeps_streaming_sizes_and_to_a_file_gets_real_ones(deploy
         assert w.getnframes() == (len(blob) - 44) // 2
 
 
-def test_flac_file_knows_its_length(deployment, tmp_path):
+@pytest.mark.parametrize("to_stdout", [False, True])
+def test_flac_file_knows_its_length(deployment, tmp_path, to_stdout):
     say(deployment, "-o", str(tmp_path / "x.wav"))
-    say(deployment, "-o", str(tmp_path / "x.flac"))
+    if to_stdout:  # `tts-cli ... -o - --format flac > x.flac`: stdout is write-only
+        with open(tmp_path / "x.flac", "wb") as f:
+            say(deployment, "-o", "-", "--format", "flac", stdout=f)
+    else:
+        say(deployment, "-o", str(tmp_path / "x.flac"))
     pcm, _ = soundfile.read(tmp_path / "x.wav", dtype="int16")
     assert soundfile.info(tmp_path / "x.flac").frames == len(pcm)
     flac, rate = soundfile.read(tmp_path / "x.flac", dtype="int16")
