@@ -2,15 +2,16 @@
 # code, system packages) and skips what is already there.
 PY      := .venv/bin/python
 PROTOS  := $(shell find protos -name '*.proto')
-SYSPKGS := espeak-ng flite chromium g++
+SYSPKGS := espeak-ng flite chromium g++ ffmpeg
 
 .PHONY: demo test setup sysdeps protos clean
 
 DEMO_TEXT ?= Hello, this is split-tts speaking. The weather today is cool and bright.
 
 # The default voice end to end: text-service, vocoder-service and orchestrator start as local
-# processes, the sentence streams through them into out/demo.wav, then they stop.
-demo: setup
+# processes, the sentence streams through them into out/demo.wav, then they stop. The default
+# voice's front end speaks through espeak-ng, so the demo installs the system packages too.
+demo: setup sysdeps
 	$(PY) -m orchestrator.cli synthesize "$(DEMO_TEXT)" -o out/demo.wav --seed 0
 
 test: setup sysdeps
@@ -32,9 +33,10 @@ splittts/.generated: $(PROTOS) protos/generate.py .venv/.installed
 
 protos: splittts/.generated
 
-# System packages the tests use, installed when missing: flite / espeak-ng (real speech, G2P),
+# System packages the demo and the tests use, installed when missing: flite / espeak-ng (real speech, G2P),
 # chromium (browser tests of the web demo), g++ (the CPU kernels in kernels/csrc, built on first
-# use) and a CJK font for its screenshots.
+# use), ffmpeg (an independent decoder of every streamed audio format) and a CJK font for the
+# web demo's screenshots.
 sysdeps:
 	@missing=""; for p in $(SYSPKGS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
 	fc-list 2>/dev/null | grep -qi wqy || missing="$$missing fonts-wqy-zenhei"; \

@@ -2,40 +2,44 @@
 
 Samples go through three streamed stages: tempo change at the voice's rate (`tempo.py`,
 skipped at rate 1.0), resampling with `soxr.ResampleStream` (skipped when the rates match),
-then encoding:
-- LINEAR16: headerless int16 little-endian PCM, emitted as soon as samples are final.
-- WAV: the same PCM, with a 44-byte header in front of the first piece. A stream cannot go
-  back to fill in sizes, so the RIFF and data sizes are 0xFFFFFFFF ("unknown length", as
-  streaming encoders write them); libsndfile, Python's `wave` and browsers then read the data
-  up to the end of the file, so the concatenated pieces form one valid file.
-- FLAC and OGG_OPUS: whole files written by `soundfile` at `finish()` (no piece at all when
-  there was no audio: libsndfile cannot write an empty file of either kind).
-Opus codes only 8, 12, 16, 24 and 48 kHz: OGG_OPUS is encoded at the smallest of these that
-is not below the requested rate (22050 -> 24000, 44100 -> 48000), so no bandwidth is lost;
-`output_rate` and every piece report the rate actually used.
+then a streaming encoder (`encoders.py`): LINEAR16, WAV, MULAW, ALAW, MP3, OGG_OPUS, FLAC and
+AAC all leave as soon as the codec has finished a frame. A piece's samples are those fed to
+the encoder since the previous piece; a codec that codes whole frames (MP3, Opus, FLAC, AAC)
+lags them by up to one frame, and its last frames come at `finish()`.
+
+Output rates: 0 means the voice's rate, except where a codec codes only some rates, where
+the smallest of those not below the requested rate is used, so no bandwidth is lost (Opus:
+8, 12, 16, 24 and 48 kHz, so 22050 -> 24000; MP3 and AAC: the MPEG rates 8 to 48 kHz), and
+MULAW / ALAW, which default to 8 kHz (telephony). `output_rate` and every piece report the
+rate actually used.
 """
 
-import io
 import math
-import struct
 from dataclasses import dataclass
 
 import numpy as np
-import soundfile
 import soxr
 
+from orchestrator.encoders import make_encoder, to_int16, wav_stream_header  # noqa: F401
 from orchestrator.tempo import TimeStretch
 
-ENCODINGS = ("LINEAR16", "WAV", "FLAC", "OGG_OPUS")
+ENCODINGS = ("LINEAR16", "WAV", "FLAC", "OGG_OPUS", "MP3", "MULAW", "ALAW", "AAC")
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
 MIN_SPEAKING_RATE, MAX_SPEAKING_RATE = 0.5, 2.0
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
-WAV_UNKNOWN_SIZE = 0xFFFFFFFF
+MPEG_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+CODEC_SAMPLE_RATES = {"OGG_OPUS": OPUS_SAMPLE_RATES, "MP3": MPEG_SAMPLE_RATES,
+                      "AAC": MPEG_SAMPLE_RATES}
+G711_DEFAULT_RATE = 8000
 MEDIA_TYPES = {
     "LINEAR16": "audio/L16",
     "WAV": "audio/wav",
     "FLAC": "audio/flac",
     "OGG_OPUS": "audio/ogg; codecs=opus",
+    "MP3": "audio/mpeg",
+    "MULAW": "audio/basic",
+    "ALAW": "audio/x-alaw-basic",
+    "AAC": "audio/aac",
 }
 
 
@@ -83,24 +87,12 @@ def resolve_audio_format(input_rate: int, encoding: str = "LINEAR16", sample_rat
             MIN_SPEAKING_RATE <= speaking_rate <= MAX_SPEAKING_RATE):
         raise ValueError(f"audio_config.speaking_rate must be 0 (unset) or between "
                          f"{MIN_SPEAKING_RATE} and {MAX_SPEAKING_RATE} (got {speaking_rate})")
-    output_rate = int(sample_rate_hz) or input_rate
-    if encoding == "OGG_OPUS":
-        output_rate = min((r for r in OPUS_SAMPLE_RATES if r >= output_rate),
-                          default=OPUS_SAMPLE_RATES[-1])
+    output_rate = int(sample_rate_hz) or (
+        G711_DEFAULT_RATE if encoding in ("MULAW", "ALAW") else input_rate)
+    if encoding in CODEC_SAMPLE_RATES:
+        rates = CODEC_SAMPLE_RATES[encoding]
+        output_rate = min((r for r in rates if r >= output_rate), default=rates[-1])
     return AudioFormat(encoding, input_rate, output_rate, float(speaking_rate))
-
-
-def wav_stream_header(sample_rate: int) -> bytes:
-    """A 16-bit mono PCM WAV header whose sizes say 'unknown length' (0xFFFFFFFF)."""
-    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, 2 * sample_rate, 2, 16)
-    return (b"RIFF" + struct.pack("<I", WAV_UNKNOWN_SIZE) + b"WAVE"
-            + b"fmt " + struct.pack("<I", len(fmt)) + fmt
-            + b"data" + struct.pack("<I", WAV_UNKNOWN_SIZE))
-
-
-def to_int16(samples: np.ndarray) -> np.ndarray:
-    """Float samples in [-1, 1] to little-endian int16 (clipped, rounded)."""
-    return np.rint(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2")
 
 
 class AudioOutput:
@@ -114,9 +106,9 @@ class AudioOutput:
         if self.output_rate != input_rate:
             self._resampler = soxr.ResampleStream(input_rate, self.output_rate, 1,
                                                   dtype="float32", quality="HQ")
+        self._encoder = make_encoder(self.encoding, self.output_rate)
         self._num_out = 0
-        self._header_sent = False
-        self._held: list[np.ndarray] = []  # FLAC / OGG_OPUS: encoded at finish()
+        self._unsent = 0  # samples fed to the encoder whose bytes have not gone out yet
         self._finished = False
 
     @property
@@ -152,7 +144,7 @@ class AudioOutput:
         return self._encode(y, final=False)
 
     def finish(self) -> list[AudioPiece]:
-        """Flushes everything; returns the last pieces (the whole file for FLAC/OGG_OPUS)."""
+        """Flushes everything, the encoder included; returns the last pieces."""
         if self._finished:
             raise RuntimeError("AudioOutput.finish() called twice")
         self._finished = True
@@ -162,31 +154,13 @@ class AudioOutput:
         return self._encode(y, final=True)
 
     def _encode(self, y: np.ndarray, final: bool) -> list[AudioPiece]:
-        if self.encoding in ("FLAC", "OGG_OPUS"):
-            if len(y):
-                self._held.append(y)
-            # libsndfile writes no readable FLAC or Opus file without samples: send nothing.
-            return [self._whole_file()] if final and self._held else []
-        data = to_int16(y).tobytes()
-        if self.encoding == "WAV" and not self._header_sent and (data or final):
-            data = wav_stream_header(self.output_rate) + data
-            self._header_sent = True
+        data = self._encoder.encode(y)
+        if final:
+            data += self._encoder.finish()
+        self._unsent += len(y)
         if not data:
             return []
-        return [self._piece(data, len(y))]
-
-    def _whole_file(self) -> AudioPiece:
-        y = np.concatenate(self._held)
-        buf = io.BytesIO()
-        if self.encoding == "FLAC":
-            soundfile.write(buf, to_int16(y), self.output_rate, format="FLAC", subtype="PCM_16")
-        else:
-            soundfile.write(buf, np.clip(y, -1.0, 1.0), self.output_rate, format="OGG",
-                            subtype="OPUS")
-        self._held = []
-        return self._piece(buf.getvalue(), len(y))
-
-    def _piece(self, data: bytes, num_samples: int) -> AudioPiece:
-        piece = AudioPiece(data, self._num_out, num_samples, self.output_rate)
-        self._num_out += num_samples
-        return piece
+        piece = AudioPiece(data, self._num_out, self._unsent, self.output_rate)
+        self._num_out += self._unsent
+        self._unsent = 0
+        return [piece]

@@ -7,7 +7,10 @@ services as local processes on free ports) and tear it down afterwards.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import math
+import os
 import signal
 import sys
 import time
@@ -18,8 +21,12 @@ import servicekit  # noqa: F401
 
 from orchestrator.voices import VOICES_DIR
 
+# --format names and file extensions (raw G.711 takes sox's .ul / .al as well)
 ENCODINGS = {"pcm": "LINEAR16", "linear16": "LINEAR16", "raw": "LINEAR16", "wav": "WAV",
-             "flac": "FLAC", "ogg": "OGG_OPUS", "opus": "OGG_OPUS", "ogg_opus": "OGG_OPUS"}
+             "flac": "FLAC", "ogg": "OGG_OPUS", "opus": "OGG_OPUS", "ogg_opus": "OGG_OPUS",
+             "mp3": "MP3", "mulaw": "MULAW", "ulaw": "MULAW", "ul": "MULAW", "alaw": "ALAW",
+             "al": "ALAW", "aac": "AAC"}
+FORMAT_CHOICES = "wav, flac, ogg (Opus), mp3, aac, mulaw, alaw or pcm"
 EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
 
 
@@ -34,6 +41,22 @@ def default_voice_dir() -> Path:
     raise BadInput(f"no default voice in {default}; pass --voice-dir DIR or --server ADDR")
 
 
+def voice_dir_for(args) -> Path:
+    """The embedded pipeline's voice directory, checked before any service starts."""
+    if not args.voice_dir:
+        return default_voice_dir()
+    from orchestrator.voices import VoiceSpec
+
+    path = Path(args.voice_dir)
+    if not path.is_dir():
+        raise BadInput(f"--voice-dir {path}: no such directory")
+    try:
+        VoiceSpec.load(path)
+    except (ValueError, FileNotFoundError) as exc:
+        raise BadInput(f"--voice-dir {path}: {exc}") from None
+    return path
+
+
 @contextmanager
 def deployment(args):
     """The address to talk to: --server, or an embedded deployment started for this command."""
@@ -42,7 +65,7 @@ def deployment(args):
         return
     from orchestrator.launcher import LocalDeployment
 
-    voice_dir = Path(args.voice_dir) if args.voice_dir else default_voice_dir()
+    voice_dir = voice_dir_for(args)
     if not args.quiet:
         print("starting the embedded pipeline (text-service, vocoder-service, orchestrator) ...",
               file=sys.stderr, flush=True)
@@ -58,8 +81,24 @@ def format_for(args) -> str:
     else:
         key = "wav"
     if key not in ENCODINGS:
-        raise BadInput(f"--format: unsupported {key!r}; choose wav, flac, ogg or pcm")
+        raise BadInput(f"--format: unsupported {key!r}; choose {FORMAT_CHOICES}")
     return ENCODINGS[key]
+
+
+def check_audio_flags(args) -> None:
+    """The audio flags against the API's rules, so a mistake costs no service start-up."""
+    from orchestrator.audio import (MAX_SAMPLE_RATE, MAX_SPEAKING_RATE, MIN_SAMPLE_RATE,
+                                    MIN_SPEAKING_RATE)
+
+    rate = args.sample_rate
+    if rate is not None and rate != 0 and not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise BadInput(f"--sample-rate must be between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE} "
+                       f"Hz, or 0 for the voice's own (got {rate})")
+    speed = args.speaking_rate
+    if speed is not None and speed != 0 and not (
+            math.isfinite(speed) and MIN_SPEAKING_RATE <= speed <= MAX_SPEAKING_RATE):
+        raise BadInput(f"--speaking-rate must be between {MIN_SPEAKING_RATE} and "
+                       f"{MAX_SPEAKING_RATE} (got {speed})")
 
 
 def build_request(args, text: str):
@@ -92,46 +131,95 @@ def latency_table(report) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+class AudioSink:
+    """Where the chunks go as they arrive: a file (renamed into place when complete) or stdout.
+
+    Streamed WAV and FLAC headers say "length unknown"; once the stream has ended, a seekable
+    output gets its real sizes (`fill_in_sizes`), so tools that trust the header read it all.
+    A pipe keeps the streaming header.
+    """
+
+    def __init__(self, output: str, encoding: str):
+        self.encoding, self.num_samples = encoding, 0
+        self.head = b""  # the header's bytes, for an output that cannot be read back
+        if output == "-":
+            self.path, self.part, self.file = None, None, sys.stdout.buffer
+        else:
+            self.path = Path(output)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.part = self.path.with_name(self.path.name + ".part")
+            self.file = open(self.part, "w+b")
+        self.start = self.file.tell() if self._can_go_back() else None
+
+    def _can_go_back(self) -> bool:
+        try:
+            appending = fcntl.fcntl(self.file.fileno(), fcntl.F_GETFL) & os.O_APPEND
+            return self.file.seekable() and not appending
+        except (OSError, ValueError):
+            return False
+
+    def write(self, chunk) -> None:
+        if len(self.head) < 64:
+            self.head += chunk.audio[:64 - len(self.head)]
+        self.file.write(chunk.audio)
+        self.file.flush()
+        self.num_samples = chunk.first_sample + round(chunk.duration_s * chunk.sample_rate_hz)
+
+    def close(self, complete: bool) -> None:
+        """Finishes the output; an incomplete file is removed rather than left half-written."""
+        if complete and self.start is not None:
+            from orchestrator.encoders import fill_in_sizes
+
+            fill_in_sizes(self.file, self.start, self.encoding, self.num_samples, self.head)
+        if self.path is None:
+            self.file.flush()
+            return
+        self.file.close()
+        if complete:
+            os.replace(self.part, self.path)
+        else:
+            self.part.unlink(missing_ok=True)
+
+
 def cmd_synthesize(args) -> int:
     import grpc
 
     from splittts.tts.v1 import tts_pb2_grpc
 
+    check_audio_flags(args)
     text = sys.stdin.read() if args.text == "-" else args.text
     if not text.strip():
         raise BadInput("TEXT is empty")
     request = build_request(args, text)
     if args.output is None:
         raise BadInput("-o/--output is required (a file, or - for stdout)")
-    sink = sys.stdout.buffer if args.output == "-" else None
     with deployment(args) as address, grpc.insecure_channel(address) as channel:
         stub = tts_pb2_grpc.TextToSpeechStub(channel)
-        chunks, report, audio_s, words = [], None, 0.0, []
-        for resp in stub.Synthesize(request, timeout=args.timeout):
-            if resp.HasField("words"):
-                words += [{"word": w.word, "start_ms": round(w.start_ms, 1),
-                           "end_ms": round(w.end_ms, 1), "segment": w.segment}
-                          for w in resp.words.words]
-            elif resp.HasField("audio"):
-                chunks.append(resp.audio.audio)
-                audio_s += resp.audio.duration_s
-                if sink is not None:
-                    sink.write(resp.audio.audio)
-                    sink.flush()
-                if not args.quiet:
-                    print(f"\r  streaming: {len(chunks):4d} chunks, {audio_s:6.2f} s of audio",
-                          end="", file=sys.stderr, flush=True)
-            else:
-                report = resp.report
-    if sink is None:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(b"".join(chunks))
+        sink = AudioSink(args.output, format_for(args))
+        chunks, report, audio_s, complete, words = 0, None, 0.0, False, []
+        try:
+            for resp in stub.Synthesize(request, timeout=args.timeout):
+                if resp.HasField("words"):
+                    words += [{"word": w.word, "start_ms": round(w.start_ms, 1),
+                               "end_ms": round(w.end_ms, 1), "segment": w.segment}
+                              for w in resp.words.words]
+                elif resp.HasField("audio"):
+                    sink.write(resp.audio)
+                    chunks += 1
+                    audio_s += resp.audio.duration_s
+                    if not args.quiet:
+                        print(f"\r  streaming: {chunks:4d} chunks, {audio_s:6.2f} s of audio",
+                              end="", file=sys.stderr, flush=True)
+                else:
+                    report = resp.report
+            complete = True
+        finally:
+            sink.close(complete)
     if args.timings:
         Path(args.timings).write_text(json.dumps({"words": words}, indent=1, ensure_ascii=False) + "\n")
     if not args.quiet:
         print(file=sys.stderr)
-        if sink is None:
+        if sink.path is not None:
             print(f"wrote {args.output} ({audio_s:.2f} s)", file=sys.stderr)
         if report is not None:
             print(latency_table(report), file=sys.stderr)
@@ -166,7 +254,7 @@ def cmd_voices(args) -> int:
 def cmd_serve(args) -> int:
     from orchestrator.launcher import LocalDeployment
 
-    voice_dir = Path(args.voice_dir) if args.voice_dir else default_voice_dir()
+    voice_dir = voice_dir_for(args)
     local = LocalDeployment(voice_dir, ports=(args.port, args.text_port, args.vocoder_port),
                             metrics_ports=(args.metrics_port, args.metrics_port + 1 if args.metrics_port > 0 else -1,
                                            args.metrics_port + 2 if args.metrics_port > 0 else -1),
@@ -225,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", metavar="FILE", help="output file, or - for stdout")
     s.add_argument("--voice")
     s.add_argument("--language", help="BCP-47 code, e.g. en-US or cmn-CN (default: detected)")
-    s.add_argument("--format", help="wav (default), flac, ogg (Opus) or pcm (raw LINEAR16)")
+    s.add_argument("--format", help="wav (default), flac, ogg (Opus), mp3, aac, mulaw, alaw "
+                   "(headerless G.711, 8 kHz) or pcm (raw LINEAR16); default: from -o's extension")
     s.add_argument("--sample-rate", type=int, help="output rate in Hz (default: the voice's)")
     s.add_argument("--speaking-rate", type=float, help="0.5 to 2.0, pitch kept")
     s.add_argument("--seed", type=int)
@@ -265,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import grpc
 
+    from orchestrator.launcher import StartupError
+
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -275,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as exc:
         print(f"tts-cli: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except StartupError as exc:  # the service's own reason, on one line
+        print(f"tts-cli: {exc.name} failed to start: {' '.join(exc.reason.split())}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT if exc.bad_config else EXIT_FAILURE
     except grpc.RpcError as exc:
         bad = exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
         print(f"tts-cli: {exc.code().name}: {exc.details()}", file=sys.stderr)

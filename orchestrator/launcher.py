@@ -15,6 +15,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class StartupError(RuntimeError):
+    """A service that exited, or never said it was serving; `reason` is its own last word."""
+
+    def __init__(self, name: str, reason: str, returncode: int | None, log_tail: list[str]):
+        super().__init__(f"{name} failed to start: {reason}")
+        self.name, self.reason, self.returncode = name, reason, returncode
+        self.log_tail = log_tail
+
+    @property
+    def bad_config(self) -> bool:
+        """The service refused its flags, model or voice (its exit code 2), as opposed to failing."""
+        return self.returncode == 2
+
+
+def last_words(lines: list[str]) -> str:
+    """The reason a dying service gave: its last stderr line, or the message of a JSON log line."""
+    for line in reversed(lines):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return line
+        if isinstance(entry, dict) and entry.get("msg"):
+            exc = str(entry.get("exc") or "").strip().splitlines()
+            return f"{entry['msg']} ({exc[-1]})" if exc else str(entry["msg"])
+        return line
+    return "it exited without saying why"
+
+
 @dataclass
 class Process:
     """A started service and the ports it reported."""
@@ -50,8 +81,10 @@ def start_service(name: str, module: str, args: list[str], *, port: int = 0, met
             if not quiet:
                 sys.stderr.write(f"[{name}] {line}")
 
-    threading.Thread(target=drain_stderr, daemon=True).start()
+    drainer = threading.Thread(target=drain_stderr, daemon=True)
+    drainer.start()
     deadline = time.monotonic() + timeout_s
+    hung = False
     for line in proc.stdout:
         try:
             event = json.loads(line)
@@ -62,11 +95,19 @@ def start_service(name: str, module: str, args: list[str], *, port: int = 0, met
             return Process(name, proc, event["port"], event.get("metrics_port"), tail,
                            event.get("http_port"))
         if time.monotonic() > deadline:
+            hung = True
             break
-    proc.kill()
-    proc.wait()
-    time.sleep(0.1)
-    raise RuntimeError(f"{name} failed to start:\n" + "".join(tail[-20:]))
+    try:
+        returncode = None if hung else proc.wait(10)
+    except subprocess.TimeoutExpired:
+        returncode = None
+    if returncode is None:
+        proc.kill()
+        proc.wait()
+    drainer.join(5)  # its last lines are the reason
+    reason = f"not serving after {timeout_s:.0f} s" if hung else last_words(tail)
+    reason = reason.removeprefix(f"{name}: ")  # services print "prog: reason"
+    raise StartupError(name, reason, returncode, tail[-20:])
 
 
 class LocalDeployment:

@@ -16,6 +16,8 @@ server -> client
   {"type": "started", "request_id"}, {"type": "words", "words": [{word, start_ms, end_ms, segment}]},
   {"type": "report", "report": {...}},
   {"type": "stopped"}, {"type": "error", "code", "message", "detail"}
+
+The same port serves the OpenAI-compatible speech API (`openai_api.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import grpc
 from aiohttp import WSMsgType, web
 from google.protobuf import json_format
 
+from orchestrator.openai_api import OpenAISpeech
+from orchestrator.web_download import encode as encode_download
 from splittts.tts.v1 import tts_pb2 as pb
 from splittts.tts.v1 import tts_pb2_grpc
 
@@ -181,7 +185,7 @@ class _Session:
 
 
 class WebDemo:
-    """aiohttp app serving the page, /api/voices, /api/status and the /ws relay."""
+    """aiohttp app: the page, /api/voices, /api/status, /api/encode, the /ws relay, OpenAI's /v1."""
 
     def __init__(self, grpc_target: str):
         self.grpc_target = grpc_target
@@ -200,8 +204,10 @@ class WebDemo:
         app.router.add_get("/", self.index)
         app.router.add_get("/api/voices", self.voices)
         app.router.add_get("/api/status", self.status)
+        app.router.add_post("/api/encode", encode_download)
         app.router.add_get("/ws", self.websocket)
         app.router.add_static("/static/", STATIC_DIR, follow_symlinks=False)
+        OpenAISpeech(self._stub).add_routes(app)
         app.on_shutdown.append(self._close_sockets)
         return app
 

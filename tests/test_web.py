@@ -206,6 +206,60 @@ def test_stop_cancels_the_whole_pipeline(tab, deployment, shots):
     tab.page.screenshot(path=str(shots / "stopped.png"))
 
 
+def download_bytes(tab, fmt: str) -> tuple[bytes, str]:
+    """Picks `fmt` in the download menu and returns the file the link then holds, and its name."""
+    import base64
+
+    tab.page.select_option("#download-format", fmt)
+    tab.wait(f"window.splitTTS.download === '{fmt}'")
+    got = tab.page.evaluate("""async () => {
+        const a = document.getElementById('download');
+        const b = new Uint8Array(await (await fetch(a.href)).arrayBuffer());
+        let s = ''; for (const x of b) s += String.fromCharCode(x);
+        return {data: btoa(s), name: a.download}; }""")
+    return base64.b64decode(got["data"]), got["name"]
+
+
+def ffmpeg_pcm(blob: bytes, rate: int) -> bytes:
+    import subprocess
+
+    r = subprocess.run(["ffmpeg", "-v", "error", "-i", "pipe:0", "-f", "s16le", "-ac", "1", "-ar",
+                        str(rate), "pipe:1"], input=blob, capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout
+
+
+def test_download_in_every_format_holds_the_audio_heard(tab):
+    tab.speak("a sentence to download in several formats.")
+    tab.wait("window.splitTTS.report !== null && window.splitTTS.download === 'wav'")
+    received = tab.state("samplesReceived")
+    wav, name = download_bytes(tab, "wav")
+    assert name.endswith(".wav") and len(wav) == 44 + 2 * received
+    flac, name = download_bytes(tab, "flac")
+    assert name.endswith(".flac") and flac[:4] == b"fLaC"
+    assert ffmpeg_pcm(flac, 22050) == wav[44:]  # lossless: the very samples played
+    for fmt, ext, magic in (("mp3", ".mp3", None), ("opus", ".ogg", b"OggS"), ("aac", ".aac", None)):
+        blob, name = download_bytes(tab, fmt)
+        assert name.endswith(ext) and (magic is None or blob[:4] == magic)
+        decoded = len(ffmpeg_pcm(blob, 22050)) // 2
+        assert received - 50 <= decoded < received + 4096  # codec delay and padding at most
+
+
+@pytest.mark.parametrize("query, body, status, message", [
+    ("format=aiff", b"RIFF", 400, "format must be one of mp3, flac, opus, aac"),
+    ("format=mp3", b"not a wav", 400, "not a WAV file"),
+    ("format=mp3", b"RIFF" + b"\0" * 40, 400, "not a WAV file"),
+])
+def test_encode_refuses_what_it_cannot_encode(deployment, query, body, status, message):
+    import json
+    import urllib.error
+
+    req = urllib.request.Request(f"{deployment.http_url}api/encode?{query}", data=body)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == status and message in json.loads(info.value.read())["error"]
+
+
 @pytest.mark.parametrize("case,prepare,text,message", [
     ("empty text", "", "", "There is nothing to speak"),
     ("empty text, chatbot mode", "document.getElementById('chatbot').checked = true", "",

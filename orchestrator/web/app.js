@@ -13,7 +13,8 @@ const $ = (id) => document.getElementById(id);
 const demo = window.splitTTS = {
   phase: "idle", requestId: null, ctx: null, report: null, error: null,
   chunksReceived: 0, samplesReceived: 0, samplesScheduled: 0, underruns: 0,
-  firstAudioMs: null, typed: "", sampleRate: 0, words: [], currentWord: null, highlighted: [],
+  firstAudioMs: null, typed: "", sampleRate: 0, download: null,
+  words: [], currentWord: null, highlighted: [],
 };
 let ws = null, voices = [], sources = [], pcm = [], peaks = [], timeline = [];
 let nextTime = 0, playStart = 0, clickedAt = 0, typer = null, drawing = false, frozenAt = null;
@@ -177,7 +178,7 @@ function finish(report) {
   if (demo.phase === "speaking") setPhase("done");
   $("stop").disabled = sources.length === 0;
   showReport(report);
-  makeWav();
+  makeDownload();
   updateLive();
 }
 
@@ -284,6 +285,7 @@ function draw() {
 $("speak").onclick = speak;
 $("stop").onclick = stop;
 $("voice").onchange = fillLanguages;
+$("download-format").onchange = () => { if (demo.report) makeDownload(); };
 $("rate").oninput = () => { $("rate-value").textContent = `${parseFloat($("rate").value).toFixed(2)}×`; };
 $("text").onkeydown = (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); speak(); } };
 for (const b of document.querySelectorAll("[data-sample]")) {

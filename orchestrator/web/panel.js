@@ -1,4 +1,4 @@
-// split-tts web demo: the latency panel and the Download WAV link, filled when a report arrives.
+// split-tts web demo: the latency panel and the Download link, filled when a report arrives.
 "use strict";
 
 // -- latency panel -------------------------------------------------------------------------
@@ -8,11 +8,7 @@ function resetReport() {
   for (const id of ["m-ttfa", "m-ttft", "m-rtf", "m-underruns"]) $(id).textContent = "–";
   $("stages").replaceChildren();
   $("details").replaceChildren();
-  const a = $("download");
-  if (a.href) URL.revokeObjectURL(a.href);
-  a.removeAttribute("href");
-  a.classList.add("disabled");
-  a.setAttribute("aria-disabled", "true");
+  clearDownload();
 }
 
 function showReport(r) {
@@ -50,10 +46,25 @@ function showReport(r) {
   }));
 }
 
-// -- Download WAV --------------------------------------------------------------------------
-function makeWav() {
+// -- Download ------------------------------------------------------------------------------
+// WAV is built here from the samples received; the other formats are that WAV encoded by the
+// server (/api/encode), so every download holds the audio that was heard.
+const DOWNLOAD_EXT = { wav: "wav", mp3: "mp3", flac: "flac", opus: "ogg", aac: "aac" };
+let downloadSeq = 0;
+
+function clearDownload() {
+  downloadSeq++;  // a request still encoding for the previous state is dropped
+  const a = $("download");
+  if (a.href) URL.revokeObjectURL(a.href);
+  a.removeAttribute("href");
+  a.classList.add("disabled");
+  a.setAttribute("aria-disabled", "true");
+  demo.download = null;
+}
+
+function wavBlob() {
   const n = pcm.reduce((s, c) => s + c.length, 0);
-  if (!n) return;
+  if (!n) return null;
   const out = new DataView(new ArrayBuffer(44 + 2 * n));
   const text = (at, s) => { for (let i = 0; i < s.length; i++) out.setUint8(at + i, s.charCodeAt(i)); };
   const rate = demo.sampleRate;
@@ -63,9 +74,31 @@ function makeWav() {
   text(36, "data"); out.setUint32(40, 2 * n, true);
   let at = 44;
   for (const chunk of pcm) for (let i = 0; i < chunk.length; i++, at += 2) out.setInt16(at, chunk[i], true);
+  return new Blob([out.buffer], { type: "audio/wav" });
+}
+
+async function makeDownload() {
+  clearDownload();
+  const seq = downloadSeq, format = $("download-format").value;
+  let blob = wavBlob();
+  if (!blob) return;
+  if (format !== "wav") {
+    demo.download = "encoding";
+    try {
+      const r = await fetch(`/api/encode?format=${format}`, { method: "POST", body: blob });
+      if (!r.ok) throw new Error((await r.json()).error || r.statusText);
+      blob = new Blob([await r.arrayBuffer()], { type: r.headers.get("Content-Type") });
+    } catch (e) {
+      if (seq === downloadSeq) demo.download = "failed";
+      console.warn("encoding the download failed:", e);
+      return;
+    }
+    if (seq !== downloadSeq) return;
+  }
   const a = $("download");
-  a.href = URL.createObjectURL(new Blob([out.buffer], { type: "audio/wav" }));
-  a.download = `split-tts-${demo.requestId || "speech"}.wav`;
+  a.href = URL.createObjectURL(blob);
+  a.download = `split-tts-${demo.requestId || "speech"}.${DOWNLOAD_EXT[format]}`;
   a.classList.remove("disabled");
   a.removeAttribute("aria-disabled");
+  demo.download = format;
 }
