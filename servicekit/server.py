@@ -21,6 +21,7 @@ from prometheus_client import start_http_server
 
 from servicekit.errors import StartupError, as_status_error
 from servicekit.logs import trace_id
+from servicekit.tls import ServerTLS, warn_if_exposed
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,9 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
                 grace_s: float = 10.0, on_stop: Callable[[], Awaitable[None] | None] | None = None,
                 stop_event: asyncio.Event | None = None,
                 serving_info: Callable[[int], Awaitable[dict] | dict] | None = None,
-                ready_interval_s: float = 0.5) -> None:
+                ready_interval_s: float = 0.5, tls: ServerTLS | None = None,
+                reflection_on: bool = True,
+                interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then drain in-flight calls for `grace_s`.
 
     Health reports NOT_SERVING until `warmup` returns and again while draining. Once serving, one
@@ -157,13 +160,15 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     process that asked for port 0 learns the bound ports. `serving_info`, called with the bound
     gRPC port once warm, returns extra fields for that line (e.g. another port it bound).
     A servicer's `ready()` is polled every `ready_interval_s` once warm. A busy port raises
-    StartupError before anything starts.
+    StartupError before anything starts. With `tls` the gRPC port (and the metrics port, with
+    the same certificate) is TLS, mutual when it has a client CA; `interceptors` run before the
+    error guard (e.g. authentication).
     """
     with_metrics = metrics_port is not None and metrics_port >= 0
     _check_port_free(host, port, "gRPC port")
     if with_metrics:
         _check_port_free(host, metrics_port, "metrics port")
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
+    server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         # gRPC sets SO_REUSEPORT by default, which lets a second server share a busy port
@@ -175,22 +180,27 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
         s.add_to_server(s.servicer, server)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+    if reflection_on:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], server)
     try:
-        bound_port = server.add_insecure_port(f"{host}:{port}")
+        bound_port = (server.add_secure_port(f"{host}:{port}", tls.credentials()) if tls
+                      else server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError:  # grpcio >= 1.50 raises where older versions returned 0
         bound_port = 0
     if bound_port == 0:
         raise StartupError(f"gRPC port {host}:{port} could not be bound (in use, or not an "
                            "address of this host)")
+    warn_if_exposed(host, bound_port, tls)
     await server.start()
 
     bound_metrics = None
     if with_metrics:
         try:
-            httpd, _ = start_http_server(metrics_port, addr=host)
+            httpd, _ = start_http_server(metrics_port, addr=host,
+                                         certfile=tls.cert_path if tls else None,
+                                         keyfile=tls.key_path if tls else None)
         except OSError as exc:
             await server.stop(None)
             raise StartupError(f"metrics port {host}:{metrics_port} could not be bound: "

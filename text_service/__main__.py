@@ -11,6 +11,7 @@ import servicekit  # noqa: F401  (torch backend auto-loading off before torch lo
 from servicekit.cli import run_service
 from servicekit.errors import ServiceFailed
 from servicekit.server import Service, serve
+from servicekit.tls import add_server_flags, server_tls
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "voices" / "default" / "lm"
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="warning")
+    add_server_flags(p)
     return p
 
 
@@ -89,6 +91,7 @@ async def run(args: argparse.Namespace) -> None:
     await serve([Service(name, text_pb2_grpc.add_TextGenerationServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                tls=server_tls(args), reflection_on=args.reflection,
                 warmup=warmup, grace_s=args.grace, on_stop=async_engine.stop, stop_event=stop)
     if async_engine.error is not None:
         raise ServiceFailed("the engine loop stopped after an internal error (logged above); "

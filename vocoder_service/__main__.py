@@ -9,6 +9,7 @@ from pathlib import Path
 import servicekit  # noqa: F401  (torch backend auto-loading off before torch loads)
 from servicekit.cli import run_service
 from servicekit.server import Service, serve
+from servicekit.tls import add_server_flags, server_tls
 
 DEFAULT_VOICE_DIR = Path(__file__).resolve().parents[1] / "voices" / "default"
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-streams", type=int, default=64)
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="warning")
+    add_server_flags(p)
     return p
 
 
@@ -107,6 +109,7 @@ async def run(args: argparse.Namespace) -> None:
     await serve([Service(name, vocoder_pb2_grpc.add_VocoderServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                tls=server_tls(args), reflection_on=args.reflection,
                 warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close)
 
 
