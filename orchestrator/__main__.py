@@ -6,8 +6,10 @@ import argparse
 import sys
 
 import servicekit  # noqa: F401
+from orchestrator.auth import add_flags as add_auth_flags
 from servicekit.cli import run_service
 from servicekit.server import Service, serve
+from servicekit.tls import add_client_flags, add_server_flags, client_tls, server_tls
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,10 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between replica health checks")
     p.add_argument("--grace", type=float, default=10.0)
     p.add_argument("--log-level", default="warning")
+    add_server_flags(p)
+    add_client_flags(p)
+    add_auth_flags(p)
     return p
 
 
 async def run(args: argparse.Namespace) -> None:
+    from orchestrator.auth import BearerTokenInterceptor, load_token
     from orchestrator.frontend import FrontEnd
     from orchestrator.pipeline import Pipeline
     from orchestrator.replicas import ReplicaPool
@@ -45,8 +51,12 @@ async def run(args: argparse.Namespace) -> None:
         raise ValueError("no voices: pass --voice DIR or add one under voices/")
     if not args.text_service or not args.vocoder_service:
         raise ValueError("give at least one --text-service and one --vocoder-service address")
-    text_pool = ReplicaPool(args.text_service, "splittts.text.v1.TextGeneration", args.health_interval)
-    vocoder_pool = ReplicaPool(args.vocoder_service, "splittts.vocoder.v1.Vocoder", args.health_interval)
+    tls, backend_tls, token = server_tls(args), client_tls(args), load_token(args)
+    backend_creds = backend_tls.credentials() if backend_tls is not None else None
+    text_pool = ReplicaPool(args.text_service, "splittts.text.v1.TextGeneration",
+                            args.health_interval, backend_creds)
+    vocoder_pool = ReplicaPool(args.vocoder_service, "splittts.vocoder.v1.Vocoder",
+                               args.health_interval, backend_creds)
     frontends = {v.name: FrontEnd(v.text_frontend) for v in voices}
     pipeline = Pipeline(text_pool, vocoder_pool, frontends)
     servicer = TextToSpeechServicer(pipeline, voices, max_in_flight=args.max_in_flight)
@@ -61,11 +71,12 @@ async def run(args: argparse.Namespace) -> None:
         nonlocal web
         if args.http_port < 0:
             return {}
-        from orchestrator.web import WebDemo, loopback_target
+        from orchestrator.web import WebDemo, loopback_target, relay_tls
 
-        web = WebDemo(loopback_target(args.host, grpc_port))
+        web = WebDemo(loopback_target(args.host, grpc_port), token=token, web_auth=args.web_auth,
+                      allow_origins=args.allow_origin, tls=relay_tls(tls, backend_tls))
         try:
-            return {"http_port": await web.start(args.host, args.http_port)}
+            return {"http_port": await web.start(args.host, args.http_port, https=tls)}
         except OSError as exc:
             raise ValueError(f"--http-port {args.http_port}: {exc.strerror or exc}") from None
 
@@ -79,6 +90,8 @@ async def run(args: argparse.Namespace) -> None:
     await serve([Service(name, tts_pb2_grpc.add_TextToSpeechServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                tls=tls, reflection_on=args.reflection,
+                interceptors=[BearerTokenInterceptor(token)] if token else None,
                 warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web)
 
 

@@ -19,16 +19,19 @@ _DOWN_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnecti
 class Replica:
     """One address of a backend, its channel and its load."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
+        options = [
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.enable_retries", 0),
             # reconnect soon after a replica comes back (the default backoff grows to 120 s)
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 2000),
             # a DNS name with several addresses (a headless Service) spreads calls over them
-            ("grpc.lb_policy_name", "round_robin")])
+            ("grpc.lb_policy_name", "round_robin")]
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=options)
+                        if credentials is not None
+                        else grpc.aio.insecure_channel(address, options=options))
         self.in_flight = 0
         self.healthy = True
 
@@ -37,13 +40,17 @@ class Replica:
 
 
 class ReplicaPool:
-    """Requests go to the healthy replica with the fewest in flight; checks run in the background."""
+    """Requests go to the healthy replica with the fewest in flight; checks run in the background.
 
-    def __init__(self, addresses: list[str], service: str, check_interval_s: float = 1.0):
+    With `credentials` every replica is dialled over TLS (mutual when they hold a certificate).
+    """
+
+    def __init__(self, addresses: list[str], service: str, check_interval_s: float = 1.0,
+                 credentials: grpc.ChannelCredentials | None = None):
         if not addresses:
             raise ValueError(f"at least one {service} address is required")
         self.service = service
-        self.replicas = [Replica(a) for a in addresses]
+        self.replicas = [Replica(a, credentials) for a in addresses]
         self.check_interval_s = check_interval_s
         self._task: asyncio.Task | None = None
 

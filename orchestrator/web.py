@@ -17,7 +17,9 @@ server -> client
   {"type": "report", "report": {...}},
   {"type": "stopped"}, {"type": "error", "code", "message", "detail"}
 
-The same port serves the OpenAI-compatible speech API (`openai_api.py`).
+The same port serves the OpenAI-compatible speech API (`openai_api.py`) and `/metrics`. With an
+API token, `/v1/*` needs it and, with `--web-auth`, everything else too (`auth.py`). `/ws` refuses
+(HTTP 403) a browser page whose Origin is neither the demo's own nor one `--allow-origin` lists.
 """
 
 from __future__ import annotations
@@ -25,15 +27,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import struct
 import uuid
 from pathlib import Path
+from typing import Iterable
+from urllib.parse import urlsplit
 
 import grpc
 from aiohttp import WSMsgType, web
 from google.protobuf import json_format
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from orchestrator.openai_api import OpenAISpeech
+from orchestrator.auth import COOKIE, check_bearer, token_interceptors
+from orchestrator.openai_api import ApiError, OpenAISpeech
+from servicekit.tls import ClientTLS, ServerTLS
 from orchestrator.web_download import encode as encode_download
 from splittts.tts.v1 import tts_pb2 as pb
 from splittts.tts.v1 import tts_pb2_grpc
@@ -187,8 +195,11 @@ class _Session:
 class WebDemo:
     """aiohttp app: the page, /api/voices, /api/status, /api/encode, the /ws relay, OpenAI's /v1."""
 
-    def __init__(self, grpc_target: str):
+    def __init__(self, grpc_target: str, *, token: str | None = None, web_auth: bool = False,
+                 allow_origins: Iterable[str] = (), tls: ClientTLS | None = None):
         self.grpc_target = grpc_target
+        self.token, self.web_auth, self.tls = token, web_auth, tls
+        self.allow_origins = {o.rstrip("/").lower() for o in allow_origins}
         self.channel: grpc.aio.Channel | None = None
         self.sessions: set[_Session] = set()
         self.runner: web.AppRunner | None = None
@@ -196,12 +207,18 @@ class WebDemo:
 
     def _stub(self) -> tts_pb2_grpc.TextToSpeechStub:
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.grpc_target)
+            interceptors = token_interceptors(self.token)
+            self.channel = (grpc.aio.secure_channel(self.grpc_target, self.tls.credentials(),
+                                                    interceptors=interceptors)
+                            if self.tls is not None
+                            else grpc.aio.insecure_channel(self.grpc_target,
+                                                           interceptors=interceptors))
         return tts_pb2_grpc.TextToSpeechStub(self.channel)
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._authenticate])
         app.router.add_get("/", self.index)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/api/voices", self.voices)
         app.router.add_get("/api/status", self.status)
         app.router.add_post("/api/encode", encode_download)
@@ -211,11 +228,15 @@ class WebDemo:
         app.on_shutdown.append(self._close_sockets)
         return app
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind host:port (0 picks a free one) and return the bound port."""
+    async def start(self, host: str, port: int, https: ServerTLS | None = None) -> int:
+        """Bind host:port (0 picks a free one), HTTPS with `https`'s files; return the bound port."""
+        context = None
+        if https is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(https.cert_path, https.key_path)
         self.runner = web.AppRunner(self.app(), access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, host, port, ssl_context=context)
         await site.start()
         self.port = self.runner.addresses[0][1]
         return self.port
@@ -231,6 +252,47 @@ class WebDemo:
         for session in list(self.sessions):
             await session.stop()
             await session.ws.close(code=1001, message=b"server shutting down")
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):
+        """The token on /v1/* (OpenAI's header), and with --web-auth on every path (or its cookie)."""
+        openai = request.path.startswith("/v1/")
+        if self.token is None or not (openai or self.web_auth):
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        if header is None and not openai:
+            if "token" in request.query and request.path == "/":
+                problem = check_bearer(f"Bearer {request.query['token']}", self.token)
+                if problem is None:  # remember it and take it out of the address bar
+                    found = web.HTTPFound("/")
+                    found.set_cookie(COOKIE, self.token, httponly=True, samesite="Strict",
+                                     secure=request.secure)
+                    return found
+                return web.Response(status=401, text=f"{problem}\n")
+            if COOKIE in request.cookies:
+                header = f"Bearer {request.cookies[COOKIE]}"
+        problem = check_bearer(header, self.token)
+        if problem is None:
+            return await handler(request)
+        if openai:
+            response = ApiError(401, problem, code="invalid_api_key").response()
+        else:
+            response = web.Response(status=401, text=f"{problem}; open the page as /?token=TOKEN\n")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    def origin_allowed(self, request: web.Request) -> bool:
+        """No Origin (not a browser), the page's own origin (the Host it asked), or an allowed one."""
+        origin = request.headers.get("Origin")
+        if origin is None or "*" in self.allow_origins:
+            return True
+        if origin.rstrip("/").lower() in self.allow_origins:
+            return True
+        return urlsplit(origin).netloc.lower() == request.host.lower()
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        """Prometheus metrics of this process (behind the token with --web-auth)."""
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def index(self, _request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
@@ -251,7 +313,12 @@ class WebDemo:
         return web.json_response({"sockets": len(self.sessions),
                                   "calls_in_flight": sum(s.busy for s in self.sessions)})
 
-    async def websocket(self, request: web.Request) -> web.WebSocketResponse:
+    async def websocket(self, request: web.Request) -> web.StreamResponse:
+        if not self.origin_allowed(request):
+            log.warning("refused a WebSocket from Origin %s", request.headers.get("Origin"))
+            return web.Response(status=403, text=f"Origin {request.headers.get('Origin')} may not "
+                                "open this socket: only the page's own origin and those given "
+                                "with --allow-origin may\n")
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=1 << 20)
         await ws.prepare(request)
         session = _Session(ws, self._stub())
@@ -282,3 +349,16 @@ def loopback_target(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def relay_tls(server: ServerTLS | None, backends: ClientTLS | None) -> ClientTLS | None:
+    """How the relay reaches our own TLS port: trusting --tls-ca (else our own certificate) and,
+    if the port asks for one, presenting the backends' client certificate."""
+    if server is None:
+        return None
+    ca = backends.ca if backends is not None and backends.ca else server.cert
+    if server.mutual and (backends is None or backends.cert is None):
+        raise ValueError("--tls-client-ca on the orchestrator with --http-port needs "
+                         "--tls-client-cert and --tls-client-key for the web relay")
+    return ClientTLS(ca, backends.cert if server.mutual else None,
+                     backends.key if server.mutual else None)
