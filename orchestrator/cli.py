@@ -258,13 +258,19 @@ def cmd_serve(args) -> int:
     local = LocalDeployment(voice_dir, ports=(args.port, args.text_port, args.vocoder_port),
                             metrics_ports=(args.metrics_port, args.metrics_port + 1 if args.metrics_port > 0 else -1,
                                            args.metrics_port + 2 if args.metrics_port > 0 else -1),
-                            host=args.host, quiet=False, http_port=args.http_port)
+                            host=args.host, quiet=False, http_port=args.http_port,
+                            tls_dir=args.tls_dir, orchestrator_args=[
+                                *(["--api-token-file", args.api_token_file]
+                                  if args.api_token_file else []),
+                                *(["--web-auth"] if args.web_auth else [])])
     local.start()
-    web = f"; web demo http://{args.host}:{local.processes[-1].http_port}/" \
+    scheme = "https" if args.tls_dir else "http"
+    web = f"; web demo {scheme}://{args.host}:{local.processes[-1].http_port}/" \
         if local.processes[-1].http_port else ""
     print(f"serving splittts.tts.v1 on {args.host}:{local.processes[-1].port} "
           f"(text-service :{local.processes[0].port}, vocoder-service :{local.processes[1].port})"
-          f"{web}; Ctrl-C drains and stops", file=sys.stderr, flush=True)
+          f"{web}{f'; TLS with the CA {args.tls_dir}/ca.pem' if args.tls_dir else ''}"
+          "; Ctrl-C drains and stops", file=sys.stderr, flush=True)
     stop = []
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -339,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--http-port", type=int, default=8080,
                     help="web demo port (0 picks a free one, -1 disables)")
     sv.add_argument("--voice-dir")
+    sv.add_argument("--tls-dir", metavar="DIR",
+                    help="mutual TLS between the services and TLS on the public port, with a "
+                         "private CA and certificates made in DIR when missing (clients trust "
+                         "DIR/ca.pem)")
+    sv.add_argument("--api-token-file", metavar="FILE",
+                    help="require 'authorization: Bearer <the file's token>' on the public API")
+    sv.add_argument("--web-auth", action="store_true",
+                    help="the web demo needs the token too (open it once as /?token=TOKEN)")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="concurrency sweep: TTFA percentiles, RTF, underruns")

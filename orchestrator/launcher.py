@@ -117,8 +117,13 @@ class LocalDeployment:
                  ports: tuple[int, int, int] = (0, 0, 0), metrics_ports: tuple[int, int, int] = (-1, -1, -1),
                  host: str = "127.0.0.1", quiet: bool = True, text_args: list[str] | None = None,
                  vocoder_args: list[str] | None = None, cpus: dict[str, set[int]] | None = None,
-                 http_port: int = -1):
+                 http_port: int = -1, tls_dir: str | Path | None = None,
+                 orchestrator_args: list[str] | None = None):
         self.voice_dir = Path(voice_dir)
+        # mutual TLS between the services and TLS on the public port, with a private CA and
+        # certificates made in tls_dir when missing (servicekit.certs)
+        self.tls_dir = Path(tls_dir) if tls_dir is not None else None
+        self.orchestrator_args = orchestrator_args or []
         self.http_port = http_port  # the orchestrator's web demo: 0 picks a free port, -1 is off
         # One intra-op thread each by default: on a small CPU host the services share the cores,
         # and oversubscribed OpenMP / ORT pools stall each other (and the event loops).
@@ -132,24 +137,41 @@ class LocalDeployment:
         n = self.threads.get(name, 0)
         return ["--threads", str(n)] if n else []
 
+    def _tls(self, name: str) -> list[str]:
+        """A service's TLS flags: its own certificate, and for the internal ones mutual TLS."""
+        if self.tls_dir is None:
+            return []
+        d = self.tls_dir
+        own = ["--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}-key.pem")]
+        if name != "orchestrator":
+            return [*own, "--tls-client-ca", str(d / "ca.pem")]
+        return [*own, "--tls-ca", str(d / "ca.pem"), "--tls-client-cert", str(d / f"{name}.pem"),
+                "--tls-client-key", str(d / f"{name}-key.pem")]
+
     def start(self) -> "LocalDeployment":
+        if self.tls_dir is not None:
+            from servicekit.certs import make_all
+
+            make_all(self.tls_dir, [] if self.host in ("127.0.0.1", "localhost", "0.0.0.0", "::")
+                     else [self.host])
         try:
             text = start_service("text-service", "text_service",
                                  ["--model", str(self.voice_dir / "lm"), *self._threads("text"),
-                                  *self.text_args], port=self.ports[1],
+                                  *self._tls("text-service"), *self.text_args], port=self.ports[1],
                                  metrics_port=self.metrics_ports[1], host=self.host,
                                  quiet=self.quiet, cpus=self.cpus.get("text"))
             self.processes.append(text)
             vocoder = start_service("vocoder-service", "vocoder_service",
                                     ["--voice", str(self.voice_dir), *self._threads("vocoder"),
-                                     *self.vocoder_args], port=self.ports[2],
+                                     *self._tls("vocoder-service"), *self.vocoder_args], port=self.ports[2],
                                     metrics_port=self.metrics_ports[2], host=self.host,
                                     quiet=self.quiet, cpus=self.cpus.get("vocoder"))
             self.processes.append(vocoder)
             orch = start_service("orchestrator", "orchestrator",
                                  ["--voice", str(self.voice_dir), "--text-service", text.address,
                                   "--vocoder-service", vocoder.address,
-                                  "--http-port", str(self.http_port)], port=self.ports[0],
+                                  "--http-port", str(self.http_port), *self._tls("orchestrator"),
+                                  *self.orchestrator_args], port=self.ports[0],
                                  metrics_port=self.metrics_ports[0], host=self.host,
                                  quiet=self.quiet, cpus=self.cpus.get("orchestrator"))
             self.processes.append(orch)
@@ -166,7 +188,8 @@ class LocalDeployment:
     def http_url(self) -> str | None:
         """The web demo's URL, when started with an HTTP port."""
         port = self.processes[-1].http_port
-        return None if port is None else f"http://127.0.0.1:{port}/"
+        scheme = "http" if self.tls_dir is None else "https"
+        return None if port is None else f"{scheme}://127.0.0.1:{port}/"
 
     def by_name(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
