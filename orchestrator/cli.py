@@ -181,6 +181,31 @@ class AudioSink:
             self.part.unlink(missing_ok=True)
 
 
+def open_channel(args, address: str):
+    """A channel to the orchestrator: TLS trusting --tls-ca when given, else plaintext."""
+    import grpc
+
+    if not getattr(args, "tls_ca", None):
+        return grpc.insecure_channel(address)
+    try:
+        ca = Path(args.tls_ca).read_bytes()
+    except OSError as exc:
+        raise BadInput(f"--tls-ca {args.tls_ca}: cannot read it ({exc.strerror or exc})") from None
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca))
+
+
+def call_metadata(args) -> tuple:
+    """The bearer token from --api-token-file or $SPLITTTS_API_TOKEN, as call metadata."""
+    token = os.environ.get("SPLITTTS_API_TOKEN", "").strip()
+    if getattr(args, "api_token_file", None):
+        try:
+            token = Path(args.api_token_file).read_text().strip()
+        except OSError as exc:
+            raise BadInput(f"--api-token-file {args.api_token_file}: cannot read it "
+                           f"({exc.strerror or exc})") from None
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def cmd_synthesize(args) -> int:
     import grpc
 
@@ -193,12 +218,13 @@ def cmd_synthesize(args) -> int:
     request = build_request(args, text)
     if args.output is None:
         raise BadInput("-o/--output is required (a file, or - for stdout)")
-    with deployment(args) as address, grpc.insecure_channel(address) as channel:
+    metadata = call_metadata(args)
+    with deployment(args) as address, open_channel(args, address) as channel:
         stub = tts_pb2_grpc.TextToSpeechStub(channel)
         sink = AudioSink(args.output, format_for(args))
         chunks, report, audio_s, complete, words = 0, None, 0.0, False, []
         try:
-            for resp in stub.Synthesize(request, timeout=args.timeout):
+            for resp in stub.Synthesize(request, timeout=args.timeout, metadata=metadata):
                 if resp.HasField("words"):
                     words += [{"word": w.word, "start_ms": round(w.start_ms, 1),
                                "end_ms": round(w.end_ms, 1), "segment": w.segment}
@@ -237,9 +263,10 @@ def cmd_voices(args) -> int:
         voices = [(v.name, v.languages, v.sample_rate, v.description, i == 0)
                   for i, v in enumerate(discover([args.voice_dir] if args.voice_dir else None))]
     else:
-        with grpc.insecure_channel(args.server) as channel:
+        with open_channel(args, args.server) as channel:
             reply = tts_pb2_grpc.TextToSpeechStub(channel).ListVoices(
-                pb.ListVoicesRequest(language_code=args.language or ""), timeout=args.timeout)
+                pb.ListVoicesRequest(language_code=args.language or ""), timeout=args.timeout,
+                metadata=call_metadata(args))
         voices = [(v.name, v.language_codes, v.sample_rate_hz, v.description, v.is_default)
                   for v in reply.voices]
     if args.json:
@@ -289,6 +316,9 @@ def cmd_bench(args) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     if any(c < 1 for c in levels):
         raise BadInput("--concurrency: levels must be positive integers, e.g. 1,2,4,8")
+    if args.tls_ca or args.api_token_file:
+        raise BadInput("bench dials plaintext without a token: bench the embedded deployment or "
+                       "a --server on 127.0.0.1 without --tls-ca and --api-token-file")
     with deployment(args) as address:
         result = run_sweep(address, levels, requests_per_level=args.requests, voice=args.voice or "")
     print(json.dumps(result) if args.json else sweep_table(result))
@@ -310,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp, server=True):
         if server:
             sp.add_argument("--server", help="orchestrator address host:port (default: embedded)")
+            sp.add_argument("--tls-ca", metavar="PEM",
+                            help="reach --server over TLS, trusting this CA (e.g. a --tls-dir's "
+                                 "ca.pem)")
+            sp.add_argument("--api-token-file", metavar="FILE",
+                            help="send this file's bearer token (default: $SPLITTTS_API_TOKEN)")
         sp.add_argument("--voice-dir", help="voice directory for the embedded pipeline")
         sp.add_argument("--timeout", type=float, default=600.0, help="seconds")
         sp.add_argument("-q", "--quiet", action="store_true")
