@@ -91,6 +91,7 @@ async def run(args: argparse.Namespace) -> None:
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 tls=tls, reflection_on=args.reflection,
+                health_port=args.health_port,
                 interceptors=[BearerTokenInterceptor(token)] if token else None,
                 warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web)
 

@@ -151,7 +151,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
                 stop_event: asyncio.Event | None = None,
                 serving_info: Callable[[int], Awaitable[dict] | dict] | None = None,
                 ready_interval_s: float = 0.5, tls: ServerTLS | None = None,
-                reflection_on: bool = True,
+                reflection_on: bool = True, health_port: int | None = None,
                 interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then drain in-flight calls for `grace_s`.
 
@@ -162,7 +162,8 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     A servicer's `ready()` is polled every `ready_interval_s` once warm. A busy port raises
     StartupError before anything starts. With `tls` the gRPC port (and the metrics port, with
     the same certificate) is TLS, mutual when it has a client CA; `interceptors` run before the
-    error guard (e.g. authentication).
+    error guard (e.g. authentication). `health_port` (0 picks one) serves grpc.health.v1 alone
+    in plaintext, for probes that cannot speak TLS; the serving line reports it.
     """
     with_metrics = metrics_port is not None and metrics_port >= 0
     _check_port_free(host, port, "gRPC port")
@@ -193,6 +194,13 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
         raise StartupError(f"gRPC port {host}:{port} could not be bound (in use, or not an "
                            "address of this host)")
     warn_if_exposed(host, bound_port, tls)
+    health_server, bound_health = None, None
+    if health_port is not None and health_port >= 0:
+        _check_port_free(host, health_port, "health port")
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        bound_health = health_server.add_insecure_port(f"{host}:{health_port}")
+        await health_server.start()
     await server.start()
 
     bound_metrics = None
@@ -203,6 +211,8 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
                                          keyfile=tls.key_path if tls else None)
         except OSError as exc:
             await server.stop(None)
+            if health_server is not None:
+                await health_server.stop(None)
             raise StartupError(f"metrics port {host}:{metrics_port} could not be bound: "
                                f"{exc.strerror or exc}") from None
         bound_metrics = httpd.server_port
@@ -225,12 +235,16 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
             extra = await extra
     except BaseException:
         await server.stop(None)
+        if health_server is not None:
+            await health_server.stop(None)
         raise
     state = await _set_health(health_servicer, services)
     readiness = loop.create_task(_follow_readiness(health_servicer, services, state,
                                                    ready_interval_s))
     print(json.dumps({"event": "serving", "services": names, "host": host, "port": bound_port,
-                      "metrics_port": bound_metrics, **(extra or {})}), flush=True)
+                      "metrics_port": bound_metrics,
+                      **({"health_port": bound_health} if health_server else {}),
+                      **(extra or {})}), flush=True)
 
     await stop.wait()
     readiness.cancel()
@@ -238,6 +252,8 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     await health_servicer.enter_graceful_shutdown()
     log.info("draining for up to %.1f s", grace_s)
     await server.stop(grace_s)
+    if health_server is not None:
+        await health_server.stop(None)
     if on_stop is not None:
         result = on_stop()
         if inspect.isawaitable(result):

@@ -63,7 +63,7 @@ class ClientTLS:
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
-    """--tls-cert, --tls-key, --tls-client-ca and --reflection/--no-reflection."""
+    """--tls-cert, --tls-key, --tls-client-ca, --reflection/--no-reflection and --health-port."""
     g = parser.add_argument_group("TLS (plaintext without --tls-cert; meant for 127.0.0.1 only)")
     g.add_argument("--tls-cert", metavar="PEM", help="this server's certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -71,6 +71,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                    help="require client certificates signed by this CA (mutual TLS)")
     parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                         help="serve gRPC server reflection")
+    parser.add_argument("--health-port", type=int, default=-1,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port for "
+                             "probes that cannot speak TLS (0 picks one, -1: off)")
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -216,10 +219,12 @@ def test_websocket_refuses_a_foreign_origin(deployment, certs):
 
 @pytest.fixture(scope="module")
 def web_auth_orchestrator(deployment, voice, certs, token_file):
-    """A second, plaintext orchestrator on 127.0.0.1 (mutual TLS to the same backends) with
-    --web-auth and without reflection."""
+    """A second orchestrator (mutual TLS to the same backends) with --web-auth, without
+    reflection, and with a plaintext health port."""
     proc = ServiceProcess(
         "orchestrator", "--voice", str(voice), "--http-port", "0", "--no-reflection",
+        "--health-port", "0", "--tls-cert", str(certs / "orchestrator.pem"),
+        "--tls-key", str(certs / "orchestrator-key.pem"),
         "--text-service", deployment.by_name("text-service").address,
         "--vocoder-service", deployment.by_name("vocoder-service").address,
         "--tls-ca", str(certs / "ca.pem"), "--tls-client-cert", str(certs / "orchestrator.pem"),
@@ -229,9 +234,10 @@ def web_auth_orchestrator(deployment, voice, certs, token_file):
     proc.stop()
 
 
-def test_web_auth_guards_the_page_and_metrics(web_auth_orchestrator):
-    base = f"http://127.0.0.1:{web_auth_orchestrator.info['http_port']}"
-    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+def test_web_auth_guards_the_page_and_metrics(web_auth_orchestrator, certs):
+    base = f"https://127.0.0.1:{web_auth_orchestrator.info['http_port']}"
+    https = urllib.request.HTTPSHandler(context=https_context(certs))
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(), https)
     for path in ("/", "/api/voices", "/metrics", "/?token=wrong-token-0123456789"):
         with pytest.raises(urllib.error.HTTPError) as err:
             opener.open(base + path)
@@ -241,18 +247,27 @@ def test_web_auth_guards_the_page_and_metrics(web_auth_orchestrator):
     with opener.open(base + "/api/voices") as r:
         assert [v["name"] for v in json.load(r)["voices"]] == ["tiny"]
     request = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(request) as r:
+    with urllib.request.urlopen(request, context=https_context(certs)) as r:
         assert b"splittts_tts_requests_in_flight" in r.read()
 
 
-def test_reflection_can_be_switched_off(web_auth_orchestrator):
-    with grpc.insecure_channel(web_auth_orchestrator.address) as ch:
+def test_reflection_can_be_switched_off(web_auth_orchestrator, certs):
+    with grpc.secure_channel(web_auth_orchestrator.address, creds(certs)) as ch:
         with pytest.raises(grpc.RpcError) as err:
             list_services(ch, bearer())
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        responses = synthesize(ch, bearer())  # plaintext on loopback, mutual TLS behind it
-        assert responses[-1].HasField("report")
-    assert any("plaintext (loopback only)" in line for line in web_auth_orchestrator.stderr_lines)
+        assert synthesize(ch, bearer())[-1].HasField("report")
+    assert any("over TLS" in line for line in web_auth_orchestrator.stderr_lines)
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_nothing_else(web_auth_orchestrator):
+    address = f"127.0.0.1:{web_auth_orchestrator.info['health_port']}"
+    with grpc.insecure_channel(address) as ch:
+        assert health(ch) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            tts_pb2_grpc.TextToSpeechStub(ch).ListVoices(pb.ListVoicesRequest(), timeout=10,
+                                                          metadata=bearer())
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_plaintext_beyond_loopback_is_a_loud_warning(caplog):
@@ -279,3 +294,19 @@ def test_bad_security_flags_are_one_line_and_exit_2(voice, capsys, flags, words)
                               "--metrics-port", "-1", "--http-port", "-1", *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and words in err and len(err.splitlines()) == 1, err
+
+
+def test_tts_cli_reaches_a_tls_server_with_the_token(deployment, certs, token_file, tmp_path):
+    def cli(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "synthesize", "hello",
+                               "--voice", "tiny", "--server", deployment.address, "-q", *flags],
+                              capture_output=True, text=True, timeout=180,
+                              env={k: v for k, v in os.environ.items()
+                                   if k != "SPLITTTS_API_TOKEN"})
+
+    out = tmp_path / "hello.wav"
+    done = cli("--tls-ca", str(certs / "ca.pem"), "--api-token-file", str(token_file), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:4] == b"RIFF"
+    refused = cli("--tls-ca", str(certs / "ca.pem"), "-o", str(tmp_path / "no.wav"))
+    assert refused.returncode != 0 and "missing credentials" in refused.stderr, refused.stderr

@@ -110,6 +110,7 @@ async def run(args: argparse.Namespace) -> None:
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 tls=server_tls(args), reflection_on=args.reflection,
+                health_port=args.health_port,
                 warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close)
 
 
