@@ -17,7 +17,7 @@ COPY . .
 # Generated gRPC code is never committed: compile it here so the wheel carries splittts/.
 # pypinyin: the Mandarin front end's G2P (text to tone-numbered pinyin).
 RUN python protos/generate.py . \
-    && pip install --no-cache-dir /src pypinyin==0.55.0 aiohttp==3.14.5 \
+    && pip install --no-cache-dir /src pypinyin==0.55.0 aiohttp==3.14.5 cryptography==50.0.2 \
         grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
         numpy==2.4.6 safetensors==0.8.0 transformers==5.24.0 tokenizers==0.23.3 \
         prometheus-client==0.26.0 soundfile==0.14.0 soxr==1.1.0 onnx==1.23.2 \

@@ -22,7 +22,7 @@ RUN python protos/generate.py . \
     && pip install --no-cache-dir "/src[npu]" torch-npu==2.13.0 \
         grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
         numpy==2.4.6 safetensors==0.8.0 transformers==5.24.0 tokenizers==0.23.3 \
-        prometheus-client==0.26.0 soundfile==0.14.0 soxr==1.1.0 onnx==1.23.2 \
+        prometheus-client==0.26.0 soundfile==0.14.0 soxr==1.1.0 onnx==1.23.2 cryptography==50.0.2 \
         onnxruntime==1.32.0 \
         attrs==26.1.0 decorator==5.3.1 sympy==1.14.0 psutil==7.2.2 scipy==1.17.1 \
         absl-py==2.5.1 cloudpickle==3.1.2 tornado==6.6.1 \

@@ -29,7 +29,7 @@ RUN python protos/generate.py . \
     && pip install --no-cache-dir "/src[gpu]" "onnxruntime-gpu==${ORT_GPU_VERSION}" \
         grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
         numpy==2.4.6 safetensors==0.8.0 transformers==5.24.0 tokenizers==0.23.3 \
-        prometheus-client==0.26.0 soundfile==0.14.0 soxr==1.1.0 onnx==1.23.2 \
+        prometheus-client==0.26.0 soundfile==0.14.0 soxr==1.1.0 onnx==1.23.2 cryptography==50.0.2 \
         onnxruntime==1.32.0 \
     && pip uninstall -y onnxruntime onnxruntime-gpu \
     && pip install --no-cache-dir --no-deps "onnxruntime-gpu==${ORT_GPU_VERSION}" \

@@ -40,7 +40,25 @@ def served_ports(ns) -> set[int]:
     ports = {ns.port, ns.metrics_port}
     if getattr(ns, "http_port", -1) > 0:
         ports.add(ns.http_port)
+    if ns.health_port > 0:
+        ports.add(ns.health_port)
     return ports
+
+
+def probe_port(ns) -> int:
+    """Where a container's health probe asks: the plaintext health port when there is one."""
+    return ns.health_port if ns.health_port > 0 else ns.port
+
+
+def assert_mutual_tls(name: str, ns) -> None:
+    """Backends require client certificates of the CA; the orchestrator presents one to them."""
+    assert ns.tls_cert == f"/certs/{name}.pem" and ns.tls_key == f"/certs/{name}-key.pem"
+    if name == "orchestrator":
+        assert (ns.tls_ca, ns.tls_client_cert, ns.tls_client_key) == (
+            "/certs/ca.pem", "/certs/orchestrator.pem", "/certs/orchestrator-key.pem")
+        assert ns.api_token_file, "the public API needs a token"
+    else:
+        assert ns.tls_client_ca == "/certs/ca.pem"
 
 def health_names() -> dict[str, str]:
     from splittts.text.v1 import text_pb2
@@ -214,7 +232,8 @@ def test_pins_satisfy_pyproject_and_agree():
 
 def probe_code() -> str:
     codes = {healthcheck_argv(dockerfile(s))[2] for s in SERVICES}
-    codes |= {svc["healthcheck"]["test"][3] for svc in compose()["services"].values()}
+    codes |= {svc["healthcheck"]["test"][3] for svc in compose()["services"].values()
+              if "healthcheck" in svc}
     assert len(codes) == 1, "one health probe everywhere"
     return codes.pop()
 
@@ -252,20 +271,33 @@ def compose() -> dict:
 
 def test_compose_wires_the_three_services():
     services = compose()["services"]
-    assert set(services) == set(SERVICES)
+    assert set(services) == {*SERVICES, "certs"}
+    certs = services["certs"]
+    assert certs["image"] == services["orchestrator"]["image"] and certs["restart"] == "no"
+    assert "python -m servicekit.certs /certs" in certs["entrypoint"][-1]
+    assert "certs:/certs" in certs["volumes"]
     parsed = {}
-    for name, svc in services.items():
+    for name in SERVICES:
+        svc = services[name]
         assert (DOCKER / svc["build"]["context"]).resolve() == ROOT
         assert (ROOT / svc["build"]["dockerfile"]).resolve() == dockerfile(name).resolve()
         script, ns = parse_command(svc["command"])
         assert script == name
         parsed[name] = ns
+        assert_mutual_tls(name, ns)
+        assert "certs:/certs:ro" in svc["volumes"]
+        if name != "orchestrator":
+            assert svc["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+        public = {ns.port, ns.http_port} if name == "orchestrator" else set()
         for mapping in svc.get("ports", []):
-            assert int(str(mapping).split(":")[-1]) in served_ports(ns)
+            port = int(str(mapping).split(":")[-1])
+            assert port in served_ports(ns)
+            # only the orchestrator's API and web ports are reachable from other hosts
+            assert port in public or str(mapping).startswith("127.0.0.1:"), mapping
         for port in svc.get("expose", []):
             assert int(port) in served_ports(ns)
         assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-c"]
-        assert svc["healthcheck"]["test"][4:] == [f"127.0.0.1:{ns.port}", health_names()[name]]
+        assert svc["healthcheck"]["test"][4:] == [f"127.0.0.1:{probe_port(ns)}", health_names()[name]]
     orch = parsed["orchestrator"]
     assert f"50050:{orch.port}" in services["orchestrator"]["ports"]
     for flag, backend in (("text_service", "text-service"), ("vocoder_service", "vocoder-service")):
@@ -314,16 +346,22 @@ def test_k8s_deployments_services_and_probes():
         assert script == name
         parsed[name] = ns
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        want = {"grpc": ns.port, "metrics": ns.metrics_port}
+        want = {"grpc": ns.port, "metrics": ns.metrics_port, "health": ns.health_port}
         if getattr(ns, "http_port", -1) > 0:
             want["http"] = ns.http_port
         assert ports == want
+        assert_mutual_tls(name, ns)
+        tls = next(v for v in pod["spec"]["volumes"] if v["name"] == "tls")
+        assert tls["secret"]["secretName"] == "split-tts-tls"
+        assert {"name": "tls", "mountPath": "/certs", "readOnly": True} in c["volumeMounts"]
         # The orchestrator's API is not ready while a backend is down, but restarting it
         # would not help: its start-up and liveness probes ask for the server's own health.
         alive = "" if name == "orchestrator" else health_names()[name]
-        assert c["readinessProbe"]["grpc"] == {"port": ns.port, "service": health_names()[name]}
+        # Kubernetes' gRPC probes speak no TLS: they ask the plaintext health-only port
+        assert c["readinessProbe"]["grpc"] == {"port": probe_port(ns),
+                                               "service": health_names()[name]}
         for probe in ("startupProbe", "livenessProbe"):
-            assert c[probe]["grpc"] == {"port": ns.port, "service": alive}
+            assert c[probe]["grpc"] == {"port": probe_port(ns), "service": alive}
         if name in device:
             resources = c["resources"]
             assert resources["requests"][device[name]] == resources["limits"][device[name]] == 1
