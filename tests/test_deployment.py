@@ -56,7 +56,7 @@ def assert_mutual_tls(name: str, ns) -> None:
     if name == "orchestrator":
         assert (ns.tls_ca, ns.tls_client_cert, ns.tls_client_key) == (
             "/certs/ca.pem", "/certs/orchestrator.pem", "/certs/orchestrator-key.pem")
-        assert ns.api_token_file, "the public API needs a token"
+        assert ns.api_token_file and ns.web_auth, "the API and the published web port need a token"
     else:
         assert ns.tls_client_ca == "/certs/ca.pem"
 
