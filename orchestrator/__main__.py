@@ -79,7 +79,8 @@ async def run(args: argparse.Namespace) -> None:
     await serve([Service(name, tts_pb2_grpc.add_TextToSpeechServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web)
+                warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web,
+                device="cpu")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,7 +107,9 @@ async def run(args: argparse.Namespace) -> None:
     await serve([Service(name, vocoder_pb2_grpc.add_VocoderServicer_to_server, servicer)],
                 host=args.host, port=args.port,
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close)
+                warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close,
+                # the ONNX backend's card is found the same way: npu-smi, then NVML
+                device=args.device)
 
 
 def main(argv: list[str] | None = None) -> int:
