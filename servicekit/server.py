@@ -192,7 +192,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
                            "address of this host)")
     await server.start()
 
-    bound_metrics = None
+    bound_metrics, telemetry = None, None
     if with_metrics:
         try:
             httpd, _ = start_http_server(metrics_port, addr=host)
@@ -202,7 +202,8 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
                                f"{exc.strerror or exc}") from None
         bound_metrics = httpd.server_port
         if device is not None:
-            start_device_metrics(device)
+            # NVML's set-up and npu-smi probing stay off the event loop too
+            telemetry = await asyncio.to_thread(start_device_metrics, device)
 
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -236,6 +237,8 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     record_health({name: False for name in state})
     log.info("draining for up to %.1f s", grace_s)
     await server.stop(grace_s)
+    if telemetry is not None:
+        await asyncio.to_thread(telemetry.stop)  # joins a read that may still be running
     if on_stop is not None:
         result = on_stop()
         if inspect.isawaitable(result):

@@ -229,9 +229,11 @@ def test_device_kind_and_start():
     assert device_kind("npu:1") == "npu" and device_kind("cuda") == "cuda"
     assert device_kind("CPU") == "cpu"
     registry = CollectorRegistry()
-    collector = start_device_metrics("cpu", registry, interval_s=3600)
-    try:
-        collector.refresh()
-        assert b"splittts_device_memory_total_bytes" in generate_latest(registry)
-    finally:
-        collector.stop()
+    for _ in range(2):  # a second serve in the same process registers afresh
+        collector = start_device_metrics("cpu", registry, interval_s=3600)
+        try:
+            collector.refresh()
+            assert b"splittts_device_memory_total_bytes" in generate_latest(registry)
+        finally:
+            collector.stop()
+        assert b"splittts_device_" not in generate_latest(registry)

@@ -60,6 +60,7 @@ class DeviceCollector:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._registry: CollectorRegistry | None = None
 
     def refresh(self) -> None:
         """Read every source once; a failing source keeps no stale values."""
@@ -85,9 +86,13 @@ class DeviceCollector:
         return self
 
     def stop(self) -> None:
+        """Stop reading and leave the registry it was registered in (a later serve may re-add)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._registry is not None:
+            self._registry.unregister(self)
+            self._registry = None
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         """The latest readings as gauge families (called by prometheus_client on each scrape)."""
@@ -107,6 +112,7 @@ def start_device_metrics(device: str, registry: CollectorRegistry = REGISTRY,
                          interval_s: float = DEFAULT_INTERVAL_S) -> DeviceCollector:
     """Register the gauges of the device named by a --device value ('auto', 'npu:0', 'cpu')."""
     kind = device_kind(device)
-    collector = DeviceCollector(sources_for(kind), interval_s).start()
+    collector = DeviceCollector(sources_for(kind), interval_s)
     registry.register(collector)
-    return collector
+    collector._registry = registry
+    return collector.start()
