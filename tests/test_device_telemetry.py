@@ -74,6 +74,19 @@ def test_card_in_error_is_unhealthy_and_reports_no_made_up_values():
     assert by_name(samples, "npu_chip_info_temperature") == {"0": 41.0}
 
 
+def test_a_chip_row_without_its_own_npu_row_keeps_the_cards():
+    # tolerance, not a recorded layout: the 910B3 sample with a second chip row under card 0
+    lines = fixture("info_910b3").splitlines()
+    second = lines[7].replace("| 0                         | 0000:C1:00.0  | 87 ",
+                              "| 1                         | 0000:C1:01.0  | 33 ")
+    assert second != lines[7]
+    chips = npu_smi.parse_info("\n".join(lines[:8] + [second] + lines[8:]))
+    assert [(c.npu, c.chip, c.aicore_pct) for c in chips] == [
+        ("0", "0", 87.0), ("0", "1", 33.0), ("1", "0", 12.0)]
+    assert chips[1].temp_c == 52.0 and chips[1].name == "910B3"
+    assert {s.labels["device"] for s in npu_smi.samples(chips, {})} == {"0", "0-1", "1"}
+
+
 def test_usages_query_gives_hbm_bandwidth_and_capacity_rates():
     fields = npu_smi.parse_fields(fixture("usages_910b3"))
     chips = npu_smi.parse_info(fixture("info_910b3"))[:1]

@@ -42,7 +42,10 @@ def sources_for(kind: str) -> list[Source]:
     try:
         if kind == "npu":
             from servicekit.telemetry.npu_smi import NpuSmiSource
-            sources.append(NpuSmiSource())
+            if shutil.which("npu-smi") is None:
+                log.warning("no NPU gauges: npu-smi is not on PATH (mount it from the host)")
+            else:
+                sources.append(NpuSmiSource())
         elif kind == "cuda":
             from servicekit.telemetry.nvml import NvmlSource
             sources.append(NvmlSource())

@@ -85,8 +85,7 @@ def parse_info(text: str) -> list[Chip]:
             for kind, (used, total) in zip(usage_names, pairs):
                 if _number(used) is not None and _number(total) is not None:
                     chip.usage_mb[kind] = (float(used), float(total))
-            chips.append(chip)
-            top = None
+            chips.append(chip)  # a chip row with no NPU row of its own keeps the card's
             continue
         if cells[0].split() and cells[0].split()[0].isdigit() and len(cells[0].split()) >= 2:
             top = cells
