@@ -1,4 +1,4 @@
-"""Cost of the device collector: CPU seconds per refresh and the share of a core at a scrape interval.
+"""The device collector's cost: CPU seconds per refresh, and its share of a core per scrape interval.
 
 The npu-smi source is timed on a shell script that prints the hand-written samples (no card
 here), so its figure is the cost of the process start-ups and the parser, not of a real
@@ -32,8 +32,9 @@ def sample_npu_smi(folder: Path) -> str:
 
 
 def _cpu_s() -> float:
-    self, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return self.ru_utime + self.ru_stime + children.ru_utime + children.ru_stime
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def cost(collector: DeviceCollector, rounds: int) -> float:

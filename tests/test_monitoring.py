@@ -101,7 +101,8 @@ def test_promtool_tests_fail_when_a_threshold_moves(tmp_path):
         text = path.read_text()
         if path.name == "alerts.yml":
             assert "npu_chip_info_temperature >= 85" in text
-            text = text.replace("npu_chip_info_temperature >= 85", "npu_chip_info_temperature >= 95")
+            text = text.replace("npu_chip_info_temperature >= 85",
+                                "npu_chip_info_temperature >= 95")
         (tmp_path / "rules" / path.name).write_text(text)
     shutil.copy(MONITORING / "tests" / "alerts_test.yml", tmp_path / "tests")
     result = promtool("test", "rules", str(tmp_path / "tests" / "alerts_test.yml"))
@@ -141,7 +142,8 @@ def test_prometheus_config_scrapes_the_compose_services_metrics_ports():
 
 # -- the names the services really export ------------------------------------------------------
 
-_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
+_SUFFIXES = {"counter": ("_total", "_created"),
+             "histogram": ("_bucket", "_count", "_sum", "_created"),
              "summary": ("_count", "_sum", "_created"), "gauge": ("",), "info": ("_info",)}
 
 

@@ -1,4 +1,4 @@
-"""The device collector: one source per device kind, read in a background thread, served on scrape."""
+"""The device collector: sources for the device kind, read in a background thread, served on scrape."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ class NvmlSource:
             import pynvml as nvml
         self.nvml = nvml
         nvml.nvmlInit()
-        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        count = nvml.nvmlDeviceGetCount()
+        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self.labels = [self._labels(i, h) for i, h in enumerate(self.handles)]
         self.last_xid = [0.0] * len(self.handles)
         self.events = self._xid_events()
