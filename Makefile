@@ -2,7 +2,7 @@
 # code, system packages) and skips what is already there.
 PY      := .venv/bin/python
 PROTOS  := $(shell find protos -name '*.proto')
-SYSPKGS := espeak-ng flite chromium g++ ffmpeg
+SYSPKGS := espeak-ng flite chromium g++ ffmpeg prometheus
 
 .PHONY: demo test setup sysdeps protos clean
 
@@ -35,8 +35,8 @@ protos: splittts/.generated
 
 # System packages the demo and the tests use, installed when missing: flite / espeak-ng (real speech, G2P),
 # chromium (browser tests of the web demo), g++ (the CPU kernels in kernels/csrc, built on first
-# use), ffmpeg (an independent decoder of every streamed audio format) and a CJK font for the
-# web demo's screenshots.
+# use), ffmpeg (an independent decoder of every streamed audio format), prometheus (its promtool checks
+# and unit-tests docker/monitoring's rules) and a CJK font for the web demo's screenshots.
 sysdeps:
 	@missing=""; for p in $(SYSPKGS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
 	fc-list 2>/dev/null | grep -qi wqy || missing="$$missing fonts-wqy-zenhei"; \

@@ -93,7 +93,8 @@ async def run(args: argparse.Namespace) -> None:
                 tls=tls, reflection_on=args.reflection,
                 health_port=args.health_port,
                 interceptors=[BearerTokenInterceptor(token)] if token else None,
-                warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web)
+                warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web,
+                device="cpu")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,8 @@ from prometheus_client import start_http_server
 
 from servicekit.errors import StartupError, as_status_error
 from servicekit.logs import trace_id
+from servicekit.telemetry.collector import start_device_metrics
+from servicekit.telemetry.serving import record_health
 from servicekit.tls import ServerTLS, warn_if_exposed
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,7 @@ async def _set_health(health_servicer, services: list[Service],
     state = {s.name: bool(s.servicer.ready()) if callable(getattr(s.servicer, "ready", None))
              else True for s in services}
     state[""] = True
+    record_health(state)
     for name, ok in state.items():
         if last is None or last.get(name) != ok:
             if last is not None:
@@ -150,8 +153,9 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
                 grace_s: float = 10.0, on_stop: Callable[[], Awaitable[None] | None] | None = None,
                 stop_event: asyncio.Event | None = None,
                 serving_info: Callable[[int], Awaitable[dict] | dict] | None = None,
-                ready_interval_s: float = 0.5, tls: ServerTLS | None = None,
-                reflection_on: bool = True, health_port: int | None = None,
+                ready_interval_s: float = 0.5, device: str | None = None,
+                tls: ServerTLS | None = None, reflection_on: bool = True,
+                health_port: int | None = None,
                 interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then drain in-flight calls for `grace_s`.
 
@@ -160,7 +164,8 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     process that asked for port 0 learns the bound ports. `serving_info`, called with the bound
     gRPC port once warm, returns extra fields for that line (e.g. another port it bound).
     A servicer's `ready()` is polled every `ready_interval_s` once warm. A busy port raises
-    StartupError before anything starts. With `tls` the gRPC port (and the metrics port, with
+    StartupError before anything starts. With metrics, `device` (a --device value) adds the gauges
+    of the card or host the service runs on. With `tls` the gRPC port (and the metrics port, with
     the same certificate) is TLS, mutual when it has a client CA; `interceptors` run before the
     error guard (e.g. authentication). `health_port` (0 picks one) serves grpc.health.v1 alone
     in plaintext, for probes that cannot speak TLS; the serving line reports it.
@@ -181,6 +186,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
         s.add_to_server(s.servicer, server)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    record_health({name: False for name in ["", *names]})
     if reflection_on:
         reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -203,7 +209,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
         await health_server.start()
     await server.start()
 
-    bound_metrics = None
+    bound_metrics, telemetry = None, None
     if with_metrics:
         try:
             httpd, _ = start_http_server(metrics_port, addr=host,
@@ -216,6 +222,9 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
             raise StartupError(f"metrics port {host}:{metrics_port} could not be bound: "
                                f"{exc.strerror or exc}") from None
         bound_metrics = httpd.server_port
+        if device is not None:
+            # NVML's set-up and npu-smi probing stay off the event loop too
+            telemetry = await asyncio.to_thread(start_device_metrics, device)
 
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -250,8 +259,11 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     readiness.cancel()
     await asyncio.gather(readiness, return_exceptions=True)
     await health_servicer.enter_graceful_shutdown()
+    record_health({name: False for name in state})
     log.info("draining for up to %.1f s", grace_s)
     await server.stop(grace_s)
+    if telemetry is not None:
+        await asyncio.to_thread(telemetry.stop)  # joins a read that may still be running
     if health_server is not None:
         await health_server.stop(None)
     if on_stop is not None:

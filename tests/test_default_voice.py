@@ -142,3 +142,46 @@ def test_orchestrator_front_end_output_tokenizes_without_unknowns(manifest, toke
             g2p.close()
         ids = tokenizer.encode(manifest["prompt_template"].replace("{text}", phonemes)).ids
         assert tokenizer.token_to_id("<|unk|>") not in ids and len(ids) > 5
+
+
+NATURAL = {  # ordinary sentences, none from the recipe's text sources
+    "en-US": ["The weather today is cool and bright, and we will walk to the park after lunch.",
+              "Please call me back when you have a minute, because the plumber is already here."],
+    "cmn-CN": ["今天天气很好，我们去公园散步吧。", "如果明天下雨，我们就在家里看书。"],
+}
+
+
+def test_phoneme_sync_speaks_every_phoneme_once_in_order(manifest):
+    """The deployed decoding of the default voice: the phonemes the LM writes back are exactly
+    its input (copy error 0 by construction), and each is followed by speech in its bounds."""
+    from orchestrator.frontend import FrontEnd
+    from orchestrator.phoneme_sync import SyncPlanner
+    from text_service.constraints import PhonemeSync
+    from text_service.engine import EngineArgs, LLMEngine
+    from text_service.sampling_params import SamplingParams
+
+    assert manifest.get("phoneme_sync"), "the default voice is decoded phoneme by phoneme"
+    planner = SyncPlanner.for_voice(VOICE, manifest["prompt_template"], manifest["phoneme_sync"])
+    engine = LLMEngine(EngineArgs(model=str(VOICE / "lm"), device="cpu", kv_cache_memory_bytes=1 << 27))
+    lo, hi = manifest["speech_token_range"]
+    end = manifest["end_token_id"]
+    with FrontEnd(manifest["text_frontend"]) as frontend:
+        segments = [s for lang, texts in NATURAL.items() for t in texts for s in frontend.process(t, lang)]
+    plans = [planner.plan(s.model_input) for s in segments]
+    assert all(p is not None for p in plans)
+    params = [SamplingParams(temperature=t, seed=3, top_k=50, max_tokens=p.max_output_tokens,
+                             phoneme_sync=PhonemeSync(tuple(p.phoneme_ids), (lo, hi), end,
+                                                      tuple(p.min_tokens), tuple(p.max_tokens)))
+              for p in plans for t in (0.0, 0.8)]
+    outs = engine.generate([p.prompt_ids for p in plans for _ in (0, 1)], params)
+    for out, sp in zip(outs, params):
+        c = sp.phoneme_sync
+        assert out[-1] == end
+        assert [t for t in out[:-1] if not lo <= t <= hi] == list(c.phoneme_ids)
+        runs, k = [0] * len(c.phoneme_ids), -1
+        for t in out[:-1]:
+            if lo <= t <= hi:
+                runs[k] += 1
+            else:
+                k += 1
+        assert all(a <= r <= b for r, a, b in zip(runs, c.min_tokens, c.max_tokens))

@@ -266,7 +266,11 @@ def test_health_probe_follows_the_serving_status():
 # -- compose -------------------------------------------------------------------------------------
 
 def compose() -> dict:
-    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    """The compose file with only the split-tts services (the monitoring profile is apart)."""
+    spec = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    spec["services"] = {name: svc for name, svc in spec["services"].items()
+                        if "profiles" not in svc}
+    return spec
 
 
 def test_compose_wires_the_three_services():

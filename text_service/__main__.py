@@ -93,7 +93,8 @@ async def run(args: argparse.Namespace) -> None:
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 tls=server_tls(args), reflection_on=args.reflection,
                 health_port=args.health_port,
-                warmup=warmup, grace_s=args.grace, on_stop=async_engine.stop, stop_event=stop)
+                warmup=warmup, grace_s=args.grace, on_stop=async_engine.stop, stop_event=stop,
+                device=args.device)
     if async_engine.error is not None:
         raise ServiceFailed("the engine loop stopped after an internal error (logged above); "
                             "exiting so that a supervisor restarts the service")

@@ -111,7 +111,9 @@ async def run(args: argparse.Namespace) -> None:
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 tls=server_tls(args), reflection_on=args.reflection,
                 health_port=args.health_port,
-                warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close)
+                warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close,
+                # the ONNX backend's card is found the same way: npu-smi, then NVML
+                device=args.device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""Device telemetry: gauges of the card (NPU, GPU) or host a service runs on, for /metrics."""
