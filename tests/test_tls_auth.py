@@ -310,3 +310,11 @@ def test_tts_cli_reaches_a_tls_server_with_the_token(deployment, certs, token_fi
     assert out.read_bytes()[:4] == b"RIFF"
     refused = cli("--tls-ca", str(certs / "ca.pem"), "-o", str(tmp_path / "no.wav"))
     assert refused.returncode != 0 and "missing credentials" in refused.stderr, refused.stderr
+
+
+def test_the_metrics_port_is_https_with_the_server_certificate(web_auth_orchestrator, certs):
+    url = f"127.0.0.1:{web_auth_orchestrator.metrics_port}/metrics"
+    with urllib.request.urlopen("https://" + url, context=https_context(certs), timeout=10) as r:
+        assert b"splittts_tts_requests_in_flight" in r.read()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen("http://" + url, timeout=10).read()
