@@ -163,7 +163,8 @@ class LocalDeployment:
             self.processes.append(text)
             vocoder = start_service("vocoder-service", "vocoder_service",
                                     ["--voice", str(self.voice_dir), *self._threads("vocoder"),
-                                     *self._tls("vocoder-service"), *self.vocoder_args], port=self.ports[2],
+                                     *self._tls("vocoder-service"), *self.vocoder_args],
+                                    port=self.ports[2],
                                     metrics_port=self.metrics_ports[2], host=self.host,
                                     quiet=self.quiet, cpus=self.cpus.get("vocoder"))
             self.processes.append(vocoder)

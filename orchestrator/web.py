@@ -229,7 +229,7 @@ class WebDemo:
         return app
 
     async def start(self, host: str, port: int, https: ServerTLS | None = None) -> int:
-        """Bind host:port (0 picks a free one), HTTPS with `https`'s files; return the bound port."""
+        """Bind host:port (0 picks a free one), HTTPS with `https`'s files; return the port."""
         context = None
         if https is not None:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -255,7 +255,7 @@ class WebDemo:
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
-        """The token on /v1/* (OpenAI's header), and with --web-auth on every path (or its cookie)."""
+        """The token on /v1/* (OpenAI's header); with --web-auth on every path (or its cookie)."""
         openai = request.path.startswith("/v1/")
         if self.token is None or not (openai or self.web_auth):
             return await handler(request)
@@ -282,7 +282,7 @@ class WebDemo:
         return response
 
     def origin_allowed(self, request: web.Request) -> bool:
-        """No Origin (not a browser), the page's own origin (the Host it asked), or an allowed one."""
+        """No Origin (not a browser), the page's own origin (the Host it asked), or an allowed."""
         origin = request.headers.get("Origin")
         if origin is None or "*" in self.allow_origins:
             return True

@@ -1,4 +1,4 @@
-"""A private CA and the certificates the three services need for mutual TLS (`tts-cli serve --tls-dir`).
+"""A private CA and the certificates the three services need for mutual TLS (`--tls-dir`).
 
 `python -m servicekit.certs DIR [--name HOST ...]` writes into DIR, keeping files already there:
 ca.pem / ca-key.pem (the CA), and for each of text-service, vocoder-service and orchestrator a
@@ -61,8 +61,9 @@ def make_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateK
     return cert, key
 
 
-def issue(directory: Path, name: str, hosts: list[str], ca: tuple | None = None) -> tuple[Path, Path]:
-    """`<name>.pem` and `<name>-key.pem` signed by the CA, for server and client use; kept if present."""
+def issue(directory: Path, name: str, hosts: list[str],
+          ca: tuple | None = None) -> tuple[Path, Path]:
+    """`<name>.pem` and `<name>-key.pem` signed by the CA, as server and client; kept if present."""
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
     if cert_path.is_file() and key_path.is_file():
         return cert_path, key_path

@@ -45,7 +45,8 @@ class ServerTLS:
         return self.client_ca is not None
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
+        return grpc.ssl_server_credentials([(self.key, self.cert)],
+                                           root_certificates=self.client_ca,
                                            require_client_auth=self.mutual)
 
 
@@ -87,7 +88,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def server_tls(args: argparse.Namespace) -> ServerTLS | None:
-    """The server's TLS from its flags, or None for plaintext; a flag without its partner is an error."""
+    """The server's TLS from its flags, or None for plaintext; a flag without its partner errs."""
     if args.tls_cert is None and args.tls_key is None:
         if args.tls_client_ca is not None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
@@ -107,7 +108,8 @@ def client_tls(args: argparse.Namespace) -> ClientTLS | None:
             raise ValueError("--tls-client-cert needs --tls-ca (a client certificate is only "
                              "sent over TLS)")
         return None
-    return ClientTLS(_read("--tls-ca", args.tls_ca), _read("--tls-client-cert", args.tls_client_cert),
+    return ClientTLS(_read("--tls-ca", args.tls_ca),
+                     _read("--tls-client-cert", args.tls_client_cert),
                      _read("--tls-client-key", args.tls_client_key))
 
 

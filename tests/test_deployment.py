@@ -301,7 +301,8 @@ def test_compose_wires_the_three_services():
         for port in svc.get("expose", []):
             assert int(port) in served_ports(ns)
         assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-c"]
-        assert svc["healthcheck"]["test"][4:] == [f"127.0.0.1:{probe_port(ns)}", health_names()[name]]
+        assert svc["healthcheck"]["test"][4:] == [f"127.0.0.1:{probe_port(ns)}",
+                                                  health_names()[name]]
     orch = parsed["orchestrator"]
     assert f"50050:{orch.port}" in services["orchestrator"]["ports"]
     for flag, backend in (("text_service", "text-service"), ("vocoder_service", "vocoder-service")):

@@ -80,7 +80,8 @@ def creds(directory, client: str | None = None) -> grpc.ChannelCredentials:
 
 
 def health(channel: grpc.Channel) -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
 def bearer(token: str = TOKEN) -> tuple:
@@ -246,7 +247,8 @@ def test_web_auth_guards_the_page_and_metrics(web_auth_orchestrator, certs):
         assert page.status == 200 and page.url == base + "/"
     with opener.open(base + "/api/voices") as r:
         assert [v["name"] for v in json.load(r)["voices"]] == ["tiny"]
-    request = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    request = urllib.request.Request(base + "/metrics",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, context=https_context(certs)) as r:
         assert b"splittts_tts_requests_in_flight" in r.read()
 
@@ -305,7 +307,8 @@ def test_tts_cli_reaches_a_tls_server_with_the_token(deployment, certs, token_fi
                                    if k != "SPLITTTS_API_TOKEN"})
 
     out = tmp_path / "hello.wav"
-    done = cli("--tls-ca", str(certs / "ca.pem"), "--api-token-file", str(token_file), "-o", str(out))
+    done = cli("--tls-ca", str(certs / "ca.pem"), "--api-token-file", str(token_file),
+               "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:4] == b"RIFF"
     refused = cli("--tls-ca", str(certs / "ca.pem"), "-o", str(tmp_path / "no.wav"))
