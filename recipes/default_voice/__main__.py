@@ -9,7 +9,7 @@ from pathlib import Path
 
 from recipes.default_voice.config import RecipeConfig
 
-STEPS = ("data", "tokens", "decoder", "durations", "lm", "eval", "bundle")
+STEPS = ("data", "tokens", "decoder", "durations", "teacher_eval", "lm", "eval", "bundle")
 
 
 def main() -> None:
@@ -41,6 +41,9 @@ def main() -> None:
         elif step == "durations":
             from recipes.default_voice.durations import train_durations
             train_durations(cfg)
+        elif step == "teacher_eval":
+            from recipes.default_voice.evaluate import teacher_scores
+            teacher_scores(cfg)
         elif step == "lm":
             from recipes.default_voice.lm import train_lm
             train_lm(cfg)
