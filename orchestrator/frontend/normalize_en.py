@@ -5,14 +5,18 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from num2words import num2words
+
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
          "fifteen sixteen seventeen eighteen nineteen").split()
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
-_SCALES = ("", " thousand", " million", " billion", " trillion", " quadrillion")
-_ORDINAL_WORDS = {"one": "first", "two": "second", "three": "third", "five": "fifth",
-                  "eight": "eighth", "nine": "ninth", "twelve": "twelfth"}
 MONTHS = ("January February March April May June July August September October November "
           "December").split()
+
+
+def _us(words: str) -> str:
+    """num2words' British wording in US style: no "and" inside a number, no commas."""
+    return words.replace(" and ", " ").replace(",", "")
 
 
 def cardinal(n: int) -> str:
@@ -21,40 +25,21 @@ def cardinal(n: int) -> str:
         return "minus " + cardinal(-n)
     if n >= 10 ** 18:
         return digits(str(n))
-    if n < 100:
-        return _ONES[n] if n < 20 else _TENS[n // 10] + (f"-{_ONES[n % 10]}" if n % 10 else "")
-    if n < 1000:
-        rest = n % 100
-        return f"{_ONES[n // 100]} hundred" + (f" {cardinal(rest)}" if rest else "")
-    parts, scale = [], 0
-    while n:
-        n, group = divmod(n, 1000)
-        if group:
-            parts.append(cardinal(group) + _SCALES[scale])
-        scale += 1
-    return " ".join(reversed(parts))
+    return _us(num2words(n))
 
 
 def ordinal(n: int) -> str:
     """An ordinal in words: 22 -> "twenty-second"."""
-    head, last = re.match(r"(.*?)([a-z]+)$", cardinal(n)).groups()
-    if last in _ORDINAL_WORDS:
-        last = _ORDINAL_WORDS[last]
-    elif last.endswith("y"):
-        last = last[:-1] + "ieth"
-    else:
-        last += "th"
-    return head + last
+    if n >= 10 ** 18:
+        return digits(str(n)) + "th"
+    return _us(num2words(n, to="ordinal"))
 
 
 def year(n: int) -> str:
     """A year as spoken: 1999 -> "nineteen ninety-nine", 2005 -> "two thousand five"."""
-    if not 1000 <= n <= 9999 or n % 1000 < 10:
+    if not 1000 <= n <= 9999:
         return cardinal(n)
-    hi, lo = divmod(n, 100)
-    if lo == 0:
-        return f"{cardinal(hi)} hundred"
-    return f"{cardinal(hi)} {'oh ' if lo < 10 else ''}{cardinal(lo)}"
+    return _us(num2words(n, to="year")).replace("oh-", "oh ")
 
 
 def digits(s: str) -> str:
