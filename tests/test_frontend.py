@@ -45,7 +45,7 @@ EN_CASES = [
     ("11/30/2026", "November thirtieth, twenty twenty-six"),
     ("Nov 30, 2026", "November thirtieth, twenty twenty-six"),
     ("December 25th", "December twenty-fifth"),
-    ("5 March 2026", "March fifth, twenty twenty-six"),
+    ("5 March 2026", "the fifth of March, twenty twenty-six"),
     ("in May 2026", "in May twenty twenty-six"),
     # times
     ("at 3:45 pm", "at three forty-five PM"),

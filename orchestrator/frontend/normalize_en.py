@@ -150,6 +150,17 @@ def _named_date(match: re.Match) -> str:
     return _date(int(y) if y else None, MONTHS.index(_month(month)) + 1, int(day)) or match[0]
 
 
+def _day_first_date(match: re.Match) -> str:
+    """"The 1st of May, 2024" and "1 May 2024" read day first: "the first of May, ..."."""
+    day, y = int(match["day"]), match["year"]
+    if not 1 <= day <= 31:
+        return match[0]
+    said = f"{ordinal(day)} of {_month(match['month'])}"
+    if not re.search(r"\bthe\s+$", match.string[:match.start()], re.IGNORECASE):
+        said = "the " + said  # "on 5 June" is said "on the fifth of June"
+    return f"{said}, {year(int(y))}" if y else said
+
+
 def _time(match: re.Match) -> str:
     h, mins, secs = int(match["h"]), int(match["m"] or 0), int(match["s"] or 0)
     ampm = (match["ap"] or match["ap2"] or "").upper()
@@ -173,7 +184,10 @@ def _title_or_street(match: re.Match) -> str:
         sentence_start = not head or head[-1] in ".!?"
         place = not sentence_start or not re.match(r"\s+[A-Z]", after)
     title, street = ("Doctor", "Drive") if match[1] == "Dr" else ("Saint", "Street")
-    return street if place else title
+    if not place:
+        return title
+    ends_sentence = not after.strip() or re.match(r"\s+[A-Z]", after)
+    return street + "." if ends_sentence else street  # "221B Baker St." keeps its full stop
 
 
 def _phone(match: re.Match) -> str:
@@ -257,7 +271,7 @@ _RULES: tuple[tuple[re.Pattern, object], ...] = tuple((re.compile(p, f), r) for 
     (rf"\b(?P<month>{_MONTH})\.?\s+(?P<day>\d{{1,2}})(?:st|nd|rd|th)?\b"
      rf"(?:,?\s+(?P<year>\d{{4}})\b)?", 0, _named_date),
     (rf"\b(?P<day>\d{{1,2}})(?:st|nd|rd|th)?\s+(?:of\s+)?(?P<month>{_MONTH})\b\.?"
-     rf"(?:,?\s+(?P<year>\d{{4}})\b)?", 0, _named_date),
+     rf"(?:,?\s+(?P<year>\d{{4}})\b)?", 0, _day_first_date),
     (rf"\b(?P<month>{_MONTH})\.?\s+(?P<year>\d{{4}})\b(?P<day>)", 0, _named_date),
     (r"\b(?P<h>[01]?\d|2[0-3]):(?P<m>[0-5]\d)(?::(?P<s>[0-5]\d))?"
      r"(?:\s?(?:(?P<ap>[AaPp])\.[Mm]\.|(?P<ap2>[AaPp])[Mm]\b))?", 0, _time),
