@@ -50,7 +50,7 @@ EN_CASES = [
     # times
     ("at 3:45 pm", "at three forty-five PM"),
     ("at 3:05", "at three oh five"),
-    ("at 10am or 7 p.m.", "at ten AM or seven PM"),
+    ("at 10am or 7 p.m.", "at ten AM or seven PM."),
     ("at 12:00", "at twelve o'clock"),
     ("9:05:30", "nine oh five and thirty seconds"),
     # currency

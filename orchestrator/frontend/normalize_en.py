@@ -171,7 +171,11 @@ def _time(match: re.Match) -> str:
         said += " o'clock"
     if secs:
         said += f" and {cardinal(secs)} second{'' if secs == 1 else 's'}"
-    return f"{said} {ampm}M" if ampm else said
+    if not ampm:
+        return said
+    after = match.string[match.end():]
+    dotted_end = match["ap"] and (not after.strip() or re.match(r"\s+[A-Z]", after))
+    return f"{said} {ampm}M" + ("." if dotted_end else "")  # "at 7 a.m." keeps its full stop
 
 
 def _title_or_street(match: re.Match) -> str:
