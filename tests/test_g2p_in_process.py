@@ -102,16 +102,17 @@ def test_concurrent_calls_in_two_voices_match_serial_ones():
 
 
 def test_warmup_loads_pinyin_and_the_voices():
-    """After FrontEnd.warmup the first Mandarin request has nothing left to import or load."""
+    """After FrontEnd.warmup the first Mandarin request has nothing left to import."""
     script = (
         "import json, sys\n"
         "from orchestrator.frontend import FrontEnd\n"
         "fe = FrontEnd({'cmn-CN': {'g2p': 'espeak-ng', 'espeak_voice': 'cmn-latn-pinyin',"
         " 'keep_punctuation': True}})\n"
-        "before = 'pypinyin' in sys.modules\n"
+        "loaded = lambda: [m in sys.modules for m in ('pypinyin', 'cn2an')]\n"
+        "before = loaded()\n"
         "fe.warmup()\n"
-        "print(json.dumps([before, 'pypinyin' in sys.modules]))\n")
+        "print(json.dumps([before, loaded()]))\n")
     root = pathlib.Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}).stdout
-    assert json.loads(out) == [False, True]
+    assert json.loads(out) == [[False, False], [True, True]]

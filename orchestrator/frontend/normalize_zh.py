@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-from cn2an import an2cn
-
 _DIGITS = "零一二三四五六七八九"
 # measure words (and number units) after which a lone 2 is read 两
 _MEASURES = ("个 位 次 件 本 只 条 张 天 年 岁 种 倍 家 辆 台 块 元 角 毛 杯 碗 份 名 双 对 把 斤 米 "
@@ -35,6 +33,7 @@ def cardinal_zh(n: int, *, liang: bool = True) -> str:
         return "负" + cardinal_zh(-n, liang=liang)
     if n >= 10 ** 16:  # past 千万亿, what cn2an reads: digit by digit
         return digits_zh(str(n))
+    from cn2an import an2cn  # imported on first use (FrontEnd.warmup): it takes 0.2 s
     out = an2cn(str(n))
     if liang and out.startswith("二") and out[1:2] in ("百", "千", "万", "亿"):
         out = "两" + out[1:]
