@@ -95,7 +95,7 @@ class FrontEnd:
         return out
 
     def warmup(self) -> None:
-        """Run every language once: espeak-ng voices, pypinyin and cn2an load here, not on a request."""
+        """Run every language once, so voices, pypinyin and cn2an load now, not on a request."""
         for key in self._languages:
             self.process(_WARMUP.get(primary_language(key), "Warm up."), key)
 
