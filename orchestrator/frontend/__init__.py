@@ -95,12 +95,12 @@ class FrontEnd:
         return out
 
     def warmup(self) -> None:
-        """Start every G2P once (espeak-ng processes, the pinyin dictionary)."""
+        """Run every language once, so voices, pypinyin and cn2an load now, not on a request."""
         for key in self._languages:
             self.process(_WARMUP.get(primary_language(key), "Warm up."), key)
 
     def close(self) -> None:
-        """Stop the G2P processes."""
+        """Release the G2Ps."""
         for lang in self._languages.values():
             lang.g2p.close()
 

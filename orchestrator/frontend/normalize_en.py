@@ -5,14 +5,18 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from num2words import num2words
+
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
          "fifteen sixteen seventeen eighteen nineteen").split()
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
-_SCALES = ("", " thousand", " million", " billion", " trillion", " quadrillion")
-_ORDINAL_WORDS = {"one": "first", "two": "second", "three": "third", "five": "fifth",
-                  "eight": "eighth", "nine": "ninth", "twelve": "twelfth"}
 MONTHS = ("January February March April May June July August September October November "
           "December").split()
+
+
+def _us(words: str) -> str:
+    """num2words' British wording in US style: no "and" inside a number, no commas."""
+    return words.replace(" and ", " ").replace(",", "")
 
 
 def cardinal(n: int) -> str:
@@ -21,40 +25,21 @@ def cardinal(n: int) -> str:
         return "minus " + cardinal(-n)
     if n >= 10 ** 18:
         return digits(str(n))
-    if n < 100:
-        return _ONES[n] if n < 20 else _TENS[n // 10] + (f"-{_ONES[n % 10]}" if n % 10 else "")
-    if n < 1000:
-        rest = n % 100
-        return f"{_ONES[n // 100]} hundred" + (f" {cardinal(rest)}" if rest else "")
-    parts, scale = [], 0
-    while n:
-        n, group = divmod(n, 1000)
-        if group:
-            parts.append(cardinal(group) + _SCALES[scale])
-        scale += 1
-    return " ".join(reversed(parts))
+    return _us(num2words(n))
 
 
 def ordinal(n: int) -> str:
     """An ordinal in words: 22 -> "twenty-second"."""
-    head, last = re.match(r"(.*?)([a-z]+)$", cardinal(n)).groups()
-    if last in _ORDINAL_WORDS:
-        last = _ORDINAL_WORDS[last]
-    elif last.endswith("y"):
-        last = last[:-1] + "ieth"
-    else:
-        last += "th"
-    return head + last
+    if n >= 10 ** 18:
+        return digits(str(n)) + "th"
+    return _us(num2words(n, to="ordinal"))
 
 
 def year(n: int) -> str:
     """A year as spoken: 1999 -> "nineteen ninety-nine", 2005 -> "two thousand five"."""
-    if not 1000 <= n <= 9999 or n % 1000 < 10:
+    if not 1000 <= n <= 9999:
         return cardinal(n)
-    hi, lo = divmod(n, 100)
-    if lo == 0:
-        return f"{cardinal(hi)} hundred"
-    return f"{cardinal(hi)} {'oh ' if lo < 10 else ''}{cardinal(lo)}"
+    return _us(num2words(n, to="year")).replace("oh-", "oh ")
 
 
 def digits(s: str) -> str:
@@ -165,6 +150,17 @@ def _named_date(match: re.Match) -> str:
     return _date(int(y) if y else None, MONTHS.index(_month(month)) + 1, int(day)) or match[0]
 
 
+def _day_first_date(match: re.Match) -> str:
+    """"The 1st of May, 2024" and "1 May 2024" read day first: "the first of May, ..."."""
+    day, y = int(match["day"]), match["year"]
+    if not 1 <= day <= 31:
+        return match[0]
+    said = f"{ordinal(day)} of {_month(match['month'])}"
+    if not re.search(r"\bthe\s+$", match.string[:match.start()], re.IGNORECASE):
+        said = "the " + said  # "on 5 June" is said "on the fifth of June"
+    return f"{said}, {year(int(y))}" if y else said
+
+
 def _time(match: re.Match) -> str:
     h, mins, secs = int(match["h"]), int(match["m"] or 0), int(match["s"] or 0)
     ampm = (match["ap"] or match["ap2"] or "").upper()
@@ -175,7 +171,11 @@ def _time(match: re.Match) -> str:
         said += " o'clock"
     if secs:
         said += f" and {cardinal(secs)} second{'' if secs == 1 else 's'}"
-    return f"{said} {ampm}M" if ampm else said
+    if not ampm:
+        return said
+    after = match.string[match.end():]
+    dotted_end = match["ap"] and (not after.strip() or re.match(r"\s+[A-Z]", after))
+    return f"{said} {ampm}M" + ("." if dotted_end else "")  # "at 7 a.m." keeps its full stop
 
 
 def _title_or_street(match: re.Match) -> str:
@@ -188,7 +188,10 @@ def _title_or_street(match: re.Match) -> str:
         sentence_start = not head or head[-1] in ".!?"
         place = not sentence_start or not re.match(r"\s+[A-Z]", after)
     title, street = ("Doctor", "Drive") if match[1] == "Dr" else ("Saint", "Street")
-    return street if place else title
+    if not place:
+        return title
+    ends_sentence = not after.strip() or re.match(r"\s+[A-Z]", after)
+    return street + "." if ends_sentence else street  # "221B Baker St." keeps its full stop
 
 
 def _phone(match: re.Match) -> str:
@@ -272,7 +275,7 @@ _RULES: tuple[tuple[re.Pattern, object], ...] = tuple((re.compile(p, f), r) for 
     (rf"\b(?P<month>{_MONTH})\.?\s+(?P<day>\d{{1,2}})(?:st|nd|rd|th)?\b"
      rf"(?:,?\s+(?P<year>\d{{4}})\b)?", 0, _named_date),
     (rf"\b(?P<day>\d{{1,2}})(?:st|nd|rd|th)?\s+(?:of\s+)?(?P<month>{_MONTH})\b\.?"
-     rf"(?:,?\s+(?P<year>\d{{4}})\b)?", 0, _named_date),
+     rf"(?:,?\s+(?P<year>\d{{4}})\b)?", 0, _day_first_date),
     (rf"\b(?P<month>{_MONTH})\.?\s+(?P<year>\d{{4}})\b(?P<day>)", 0, _named_date),
     (r"\b(?P<h>[01]?\d|2[0-3]):(?P<m>[0-5]\d)(?::(?P<s>[0-5]\d))?"
      r"(?:\s?(?:(?P<ap>[AaPp])\.[Mm]\.|(?P<ap2>[AaPp])[Mm]\b))?", 0, _time),

@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 
 _DIGITS = "零一二三四五六七八九"
-_SMALL_UNITS = ("", "十", "百", "千")
-_BIG_UNITS = ("", "万", "亿", "万亿")
 # measure words (and number units) after which a lone 2 is read 两
 _MEASURES = ("个 位 次 件 本 只 条 张 天 年 岁 种 倍 家 辆 台 块 元 角 毛 杯 碗 份 名 双 对 把 斤 米 "
              "公里 公斤 千克 克 升 吨 小时 分钟 秒钟 周 星期 人 层 间 部 首 句 页 篇 场 票 架 艘 头 "
@@ -29,45 +27,14 @@ def digits_zh(s: str, *, yao: bool = False) -> str:
     return "".join(("幺" if yao and c == "1" else _DIGITS[int(c)]) for c in s if c.isdigit())
 
 
-def _section(n: int) -> str:
-    """0 < n < 10000 with 零 for inner zero runs and no trailing zeros."""
-    out, zero = "", False
-    for pos in (3, 2, 1, 0):
-        d = n // 10 ** pos % 10
-        if d == 0:
-            zero = bool(out)
-            continue
-        if zero:
-            out += "零"
-            zero = False
-        out += _DIGITS[d] + _SMALL_UNITS[pos]
-    return out
-
-
 def cardinal_zh(n: int, *, liang: bool = True) -> str:
     """An integer in Chinese: 10001 -> 一万零一; liang=True gives 两千 / 两万 for a leading 2."""
     if n < 0:
         return "负" + cardinal_zh(-n, liang=liang)
-    if n == 0:
-        return "零"
-    if n >= 10 ** 16:
+    if n >= 10 ** 16:  # past 千万亿, what cn2an reads: digit by digit
         return digits_zh(str(n))
-    sections = []
-    while n:
-        n, sec = divmod(n, 10000)
-        sections.append(sec)
-    out, gap = "", False
-    for i in range(len(sections) - 1, -1, -1):
-        sec = sections[i]
-        if sec == 0:
-            gap = bool(out)
-            continue
-        if out and (gap or sec < 1000):
-            out += "零"
-        out += _section(sec) + _BIG_UNITS[i]
-        gap = False
-    if out.startswith("一十"):
-        out = out[1:]
+    from cn2an import an2cn  # imported on first use (FrontEnd.warmup): it takes 0.2 s
+    out = an2cn(str(n))
     if liang and out.startswith("二") and out[1:2] in ("百", "千", "万", "亿"):
         out = "两" + out[1:]
     return out
