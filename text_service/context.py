@@ -51,6 +51,16 @@ class Context:
         nd = self.num_decodes
         return [start - nd for start in self.query_start_loc_list[nd:]]
 
+    @cached_property
+    def decode_seq_lens_list(self) -> list[int] | None:
+        """`seq_lens_list` of the decode sequences (None without it)."""
+        return None if self.seq_lens_list is None else self.seq_lens_list[:self.num_decodes]
+
+    @cached_property
+    def prefill_seq_lens_list(self) -> list[int] | None:
+        """`seq_lens_list` of the prefill sequences (None without it)."""
+        return None if self.seq_lens_list is None else self.seq_lens_list[self.num_decodes:]
+
 
 _CONTEXT: Context | None = None
 

@@ -185,12 +185,11 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         ops, k_cache, v_cache, scale = self.ops, self.k_cache, self.v_cache, self.scale
         ops.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, all_valid=ctx.all_slots_valid)
-        host_lens = ctx.seq_lens_list
 
         def decode(nd: int) -> Tensor:
             return ops.paged_attention_decode(
                 q[:nd], k_cache, v_cache, seq_lens=ctx.seq_lens[:nd], block_tables=ctx.block_tables[:nd], scale=scale,
-                seq_lens_list=None if host_lens is None else host_lens[:nd],
+                seq_lens_list=ctx.decode_seq_lens_list,
             )
 
         def prefill(nd: int) -> Tensor:
@@ -198,7 +197,7 @@ class PagedAttention(nn.Module):
                 q[nd:], k_cache, v_cache, query_start_loc=ctx.prefill_query_start_loc,
                 seq_lens=ctx.seq_lens[nd:], block_tables=ctx.block_tables[nd:], scale=scale,
                 query_start_loc_list=ctx.prefill_query_start_loc_list,
-                seq_lens_list=None if host_lens is None else host_lens[nd:],
+                seq_lens_list=ctx.prefill_seq_lens_list,
             )
 
         return split_decode_prefill(ctx, decode, prefill)
