@@ -21,12 +21,21 @@ def _check_heads(q: Tensor, k_cache: Tensor) -> None:
 
 
 def write_kv(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    all_valid: bool | None = None,
 ) -> None:
-    """Store key/value `[T, Hkv, D]` at slot = block * block_size + offset; skip slots < 0."""
+    """Store key/value `[T, Hkv, D]` at slot = block * block_size + offset; skip slots < 0.
+
+    `all_valid` says on the host that no slot is negative; None reads that from the device.
+    """
     slots = slot_mapping.long()
     valid = slots >= 0
-    if not bool(valid.all()):
+    if not (all_valid if all_valid is not None else bool(valid.all())):
         key, value, slots = key[valid], value[valid], slots[valid]
     # view() (not flatten) so a non-contiguous cache fails loudly instead of writing a copy
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
@@ -74,11 +83,14 @@ def _decode_batched(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    max_seq_len: int | None = None,
 ) -> Tensor:
     """One masked softmax over all sequences' KV gathered to the longest length."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-int(seq_lens.max()) // block_size)
+    if max_seq_len is None:  # without the host's word, a device read-back
+        max_seq_len = int(seq_lens.max())
+    num_blocks = -(-max_seq_len // block_size)
     # index_select on a flat index: much faster on CPU than advanced indexing by a 2-D one
     blocks = block_tables[:, :num_blocks].reshape(-1).long()
     gathered = (batch, -1, num_kv_heads, head_dim)
@@ -100,19 +112,26 @@ def paged_attention_decode(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    seq_lens_list: list[int] | None = None,
 ) -> Tensor:
-    """Attention for one new token per sequence: q `[B, H, D]` -> o `[B, H, D]`."""
+    """Attention for one new token per sequence: q `[B, H, D]` -> o `[B, H, D]`.
+
+    `seq_lens_list` is `seq_lens` on the host; None reads it from the device.
+    """
     _check_heads(q, k_cache)
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    if seq_lens_list is None:
+        seq_lens_list = seq_lens.tolist()
     if q.device.type != "cpu":
         return _decode_batched(
-            q, k_cache, v_cache, seq_lens.to(q.device), block_tables.to(q.device), scale
+            q, k_cache, v_cache, seq_lens.to(q.device), block_tables.to(q.device), scale,
+            max(seq_lens_list),
         )
     # On CPU one gather + masked softmax over the whole batch is memory-bound and measured
     # 1.5-5x slower than per-sequence flash attention over cache-sized gathers.
     out = torch.empty_like(q)
-    for b, kv_len in enumerate(seq_lens.tolist()):
+    for b, kv_len in enumerate(seq_lens_list):
         out[b] = _attend(q[b : b + 1], k_cache, v_cache, block_tables[b], kv_len, scale)[0]
     return out
 
@@ -127,14 +146,17 @@ def paged_attention(
     block_tables: Tensor,
     scale: float,
     decode: Callable[..., Tensor] = paged_attention_decode,
+    query_start_loc_list: list[int] | None = None,
+    seq_lens_list: list[int] | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new tokens over its paged KV: o `[T, H, D]`.
 
     Sequences with one new token go through `decode` (a `paged_attention_decode`) together.
+    The `*_list` arguments are the tensors on the host; None reads them from the device.
     """
     _check_heads(q, k_cache)
-    starts = query_start_loc.tolist()
-    kv_lens = seq_lens.tolist()
+    starts = query_start_loc.tolist() if query_start_loc_list is None else query_start_loc_list
+    kv_lens = seq_lens.tolist() if seq_lens_list is None else seq_lens_list
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
     out = torch.empty_like(q)
 
@@ -149,6 +171,7 @@ def paged_attention(
             seq_lens=seq_lens.to(q.device)[index],
             block_tables=block_tables.to(q.device)[index],
             scale=scale,
+            seq_lens_list=[kv_lens[b] for b in single],
         )
 
     for b, q_len in enumerate(q_lens):

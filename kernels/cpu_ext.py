@@ -93,6 +93,7 @@ def paged_attention_decode(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    seq_lens_list: list[int] | None = None,
 ) -> Tensor:
     """`attention.paged_attention_decode` reading the paged K/V in place (fp32 and bf16).
 
@@ -101,7 +102,8 @@ def paged_attention_decode(
     if (q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
             or q.device.type != "cpu"):
         return attention.paged_attention_decode(
-            q, k_cache, v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale
+            q, k_cache, v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
+            seq_lens_list=seq_lens_list,
         )
     return torch.ops.splittts_kernels.paged_attention_decode(
         q.contiguous(), k_cache, v_cache, seq_lens.to(torch.int32).contiguous(),
@@ -118,11 +120,14 @@ def paged_attention(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    query_start_loc_list: list[int] | None = None,
+    seq_lens_list: list[int] | None = None,
 ) -> Tensor:
     """`attention.paged_attention` with its single-token sequences on the compiled decode."""
     return attention.paged_attention(
         q, k_cache, v_cache, query_start_loc=query_start_loc, seq_lens=seq_lens,
         block_tables=block_tables, scale=scale, decode=paged_attention_decode,
+        query_start_loc_list=query_start_loc_list, seq_lens_list=seq_lens_list,
     )
 
 

@@ -85,10 +85,19 @@ class NpuKernels:
         return apply(q), apply(k)
 
     def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+        self,
+        key: Tensor,
+        value: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slot_mapping: Tensor,
+        *,
+        all_valid: bool | None = None,
     ) -> None:
-        valid = slot_mapping >= 0
-        if not bool(valid.all()):  # the op takes only slots in [0, num_blocks * block_size)
+        if all_valid is None:  # without the host's word, a device read-back
+            all_valid = bool((slot_mapping >= 0).all())
+        if not all_valid:  # the op takes only slots in [0, num_blocks * block_size)
+            valid = slot_mapping >= 0
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
         if key.shape[0] == 0:
             return
@@ -110,6 +119,8 @@ class NpuKernels:
         seq_lens: Tensor,
         block_tables: Tensor,
         scale: float,
+        query_start_loc_list: list[int] | None = None,
+        seq_lens_list: list[int] | None = None,
     ) -> Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         if q.dtype not in _HALF_DTYPES or block_size % 128 or not 128 <= block_size <= 512:
@@ -122,7 +133,13 @@ class NpuKernels:
                 seq_lens=seq_lens,
                 block_tables=block_tables,
                 scale=scale,
+                query_start_loc_list=query_start_loc_list,
+                seq_lens_list=seq_lens_list,
             )
+        if query_start_loc_list is None:  # without the host's copies, device read-backs
+            query_start_loc_list = query_start_loc.tolist()
+        if seq_lens_list is None:
+            seq_lens_list = seq_lens.tolist()
         out, _ = self.torch_npu.npu_fused_infer_attention_score(
             q.contiguous(),
             k_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
@@ -131,8 +148,8 @@ class NpuKernels:
             block_table=block_tables.to(torch.int32),
             input_layout="TND",
             block_size=block_size,
-            actual_seq_lengths=query_start_loc[1:].tolist(),  # TND: cumulative query ends
-            actual_seq_lengths_kv=seq_lens.tolist(),  # paged: per-sequence KV lengths
+            actual_seq_lengths=query_start_loc_list[1:],  # TND: cumulative query ends
+            actual_seq_lengths_kv=seq_lens_list,  # paged: per-sequence KV lengths
             num_key_value_heads=num_kv_heads,
             num_heads=q.shape[1],
             scale=scale,
@@ -149,12 +166,18 @@ class NpuKernels:
         seq_lens: Tensor,
         block_tables: Tensor,
         scale: float,
+        seq_lens_list: list[int] | None = None,
     ) -> Tensor:
         if q.dtype not in _HALF_DTYPES:
             self._fallback("paged_attention_decode", f"dtype {q.dtype}")
             return attention.paged_attention_decode(
-                q, k_cache, v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale
+                q, k_cache, v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
+                seq_lens_list=seq_lens_list,
             )
+        if seq_lens_list is None:  # without the host's copy, a device read-back
+            context_lens = seq_lens.to("cpu", torch.int32)
+        else:
+            context_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
         out = torch.empty_like(q)
         self.torch_npu._npu_paged_attention(
             query=q.contiguous(),
@@ -164,7 +187,7 @@ class NpuKernels:
             num_heads=q.shape[1],
             scale_value=scale,
             block_table=block_tables.to(torch.int32),
-            context_lens=seq_lens.to("cpu", torch.int32),  # read on the host
+            context_lens=context_lens,  # read on the host
             out=out,
         )
         return out

@@ -21,6 +21,12 @@ class Context:
     has_initial_state: Tensor  # bool [B] False on a sequence's first chunk
     num_decodes: int
     logits_indices: Tensor  # int64 [n] rows of the hidden states to turn into logits
+    # Host copies of the metadata that device kernels take as host arguments (vllm-ascend's
+    # seq_lens_list), built once per step so that no layer reads a device tensor back.
+    # None where the builder did not provide them: the kernels then read the device tensors.
+    query_start_loc_list: list[int] | None = None
+    seq_lens_list: list[int] | None = None
+    all_slots_valid: bool | None = None  # every slot_mapping entry >= 0
 
     @property
     def num_seqs(self) -> int:
@@ -36,6 +42,24 @@ class Context:
         if self.num_decodes == 0:
             return self.query_start_loc
         return self.query_start_loc[self.num_decodes:] - self.num_decodes
+
+    @cached_property
+    def prefill_query_start_loc_list(self) -> list[int] | None:
+        """Host copy of `prefill_query_start_loc` (None without `query_start_loc_list`)."""
+        if self.query_start_loc_list is None:
+            return None
+        nd = self.num_decodes
+        return [start - nd for start in self.query_start_loc_list[nd:]]
+
+    @cached_property
+    def decode_seq_lens_list(self) -> list[int] | None:
+        """`seq_lens_list` of the decode sequences (None without it)."""
+        return None if self.seq_lens_list is None else self.seq_lens_list[:self.num_decodes]
+
+    @cached_property
+    def prefill_seq_lens_list(self) -> list[int] | None:
+        """`seq_lens_list` of the prefill sequences (None without it)."""
+        return None if self.seq_lens_list is None else self.seq_lens_list[self.num_decodes:]
 
 
 _CONTEXT: Context | None = None

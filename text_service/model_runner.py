@@ -173,9 +173,10 @@ class ModelRunner:
             return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
 
         logits_indices = query_start_loc[1:][np.asarray(samples, dtype=bool)] - 1
+        seq_lens = starts + lens
         ctx = Context(
             query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(starts + lens, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
             slot_mapping=to_device(slot_mapping, torch.int64),
             block_tables=to_device(block_tables, torch.int32),
             state_indices=torch.tensor([s.state_slot for s in seqs], dtype=torch.int64,
@@ -183,6 +184,9 @@ class ModelRunner:
             has_initial_state=to_device(starts > 0, torch.bool),
             num_decodes=num_decodes,
             logits_indices=to_device(logits_indices, torch.int64),
+            query_start_loc_list=query_start_loc.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            all_slots_valid=bool((slot_mapping >= 0).all()),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         return ids, to_device(positions, torch.int64), ctx

@@ -184,17 +184,20 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV caches are not attached: call models.cache.allocate_caches first")
         ctx = get_context()
         ops, k_cache, v_cache, scale = self.ops, self.k_cache, self.v_cache, self.scale
-        ops.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        ops.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, all_valid=ctx.all_slots_valid)
 
         def decode(nd: int) -> Tensor:
             return ops.paged_attention_decode(
-                q[:nd], k_cache, v_cache, seq_lens=ctx.seq_lens[:nd], block_tables=ctx.block_tables[:nd], scale=scale
+                q[:nd], k_cache, v_cache, seq_lens=ctx.seq_lens[:nd], block_tables=ctx.block_tables[:nd], scale=scale,
+                seq_lens_list=ctx.decode_seq_lens_list,
             )
 
         def prefill(nd: int) -> Tensor:
             return ops.paged_attention(
                 q[nd:], k_cache, v_cache, query_start_loc=ctx.prefill_query_start_loc,
                 seq_lens=ctx.seq_lens[nd:], block_tables=ctx.block_tables[nd:], scale=scale,
+                query_start_loc_list=ctx.prefill_query_start_loc_list,
+                seq_lens_list=ctx.prefill_seq_lens_list,
             )
 
         return split_decode_prefill(ctx, decode, prefill)
