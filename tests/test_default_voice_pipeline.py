@@ -65,14 +65,21 @@ def test_stream_equals_offline_vocoding(deployment):
     segment = FrontEnd(manifest["text_frontend"]).process(SENTENCE, "en-US")
     assert len(segment) == 1 and report.num_segments == 1
     s = manifest["sampling"]
+    # the voice is decoded phoneme by phoneme: the same plan the orchestrator makes
+    from orchestrator.phoneme_sync import SyncPlanner
+
+    plan = SyncPlanner.for_voice(VOICE, manifest["prompt_template"],
+                                 manifest["phoneme_sync"]).plan(segment[0].model_input)
     request = text_pb2.GenerateRequest(
-        text=manifest["prompt_template"].replace("{text}", segment[0].model_input),
+        token_ids=text_pb2.TokenIds(ids=plan.prompt_ids),
         sampling=text_pb2.SamplingConfig(temperature=s["temperature"], top_k=s["top_k"],
                                          top_p=s.get("top_p", 1.0), seed=5,
                                          repetition_penalty=s.get("repetition_penalty", 1.0)),
-        stop_token_ids=[manifest["end_token_id"]], max_tokens=report.num_speech_tokens + 400,
-        allowed_tokens=text_pb2.TokenRange(start=manifest.get("allowed_token_range", [lo, hi])[0],
-                                           end=manifest.get("allowed_token_range", [lo, hi])[1]))
+        stop_token_ids=[manifest["end_token_id"]], max_tokens=plan.max_output_tokens,
+        phoneme_sync=text_pb2.PhonemeSync(
+            phoneme_ids=plan.phoneme_ids, speech_tokens=text_pb2.TokenRange(start=lo, end=hi),
+            end_token_id=manifest["end_token_id"], min_tokens=plan.min_tokens,
+            max_tokens=plan.max_tokens))
     with grpc.insecure_channel(deployment.by_name("text-service").address) as ch:
         ids = [t for r in text_pb2_grpc.TextGenerationStub(ch).Generate(request, timeout=300)
                for t in r.token_ids]
@@ -88,3 +95,15 @@ def test_stream_equals_offline_vocoding(deployment):
 def test_mandarin_speaks(deployment):
     audio, report = synthesize(deployment.address, "今天天气很好。", seed=1)
     assert report.audio_s > 0.5 and np.abs(audio).max() > 0.05
+
+
+def test_word_timings_of_the_default_voice(deployment):
+    with grpc.insecure_channel(deployment.address) as ch:
+        responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(pb.SynthesizeRequest(
+            text=SENTENCE), timeout=300))
+    words = [w for r in responses if r.HasField("words") for w in r.words.words]
+    audio_s = sum(r.audio.duration_s for r in responses if r.HasField("audio"))
+    assert [w.word for w in words] == SENTENCE.rstrip(".").split()
+    assert all(a.start_ms <= a.end_ms <= b.start_ms for a, b in zip(words, words[1:]))
+    assert sum(w.end_ms > w.start_ms for w in words) >= len(words) - 1
+    assert 0 <= words[0].start_ms and words[-1].end_ms <= 1e3 * audio_s + 1e-6
