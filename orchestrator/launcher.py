@@ -117,7 +117,7 @@ class LocalDeployment:
                  ports: tuple[int, int, int] = (0, 0, 0), metrics_ports: tuple[int, int, int] = (-1, -1, -1),
                  host: str = "127.0.0.1", quiet: bool = True, text_args: list[str] | None = None,
                  vocoder_args: list[str] | None = None, cpus: dict[str, set[int]] | None = None,
-                 http_port: int = -1):
+                 http_port: int = -1, orchestrator_args: list[str] | None = None):
         self.voice_dir = Path(voice_dir)
         self.http_port = http_port  # the orchestrator's web demo: 0 picks a free port, -1 is off
         # One intra-op thread each by default: on a small CPU host the services share the cores,
@@ -125,6 +125,7 @@ class LocalDeployment:
         self.threads = threads if threads is not None else {"text": 1, "vocoder": 1}
         self.ports, self.metrics_ports, self.host, self.quiet = ports, metrics_ports, host, quiet
         self.text_args, self.vocoder_args = text_args or [], vocoder_args or []
+        self.orchestrator_args = orchestrator_args or []
         self.cpus = cpus or {}
         self.processes: list[Process] = []
 
@@ -149,7 +150,8 @@ class LocalDeployment:
             orch = start_service("orchestrator", "orchestrator",
                                  ["--voice", str(self.voice_dir), "--text-service", text.address,
                                   "--vocoder-service", vocoder.address,
-                                  "--http-port", str(self.http_port)], port=self.ports[0],
+                                  "--http-port", str(self.http_port), *self.orchestrator_args],
+                                 port=self.ports[0],
                                  metrics_port=self.metrics_ports[0], host=self.host,
                                  quiet=self.quiet, cpus=self.cpus.get("orchestrator"))
             self.processes.append(orch)
