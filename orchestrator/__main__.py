@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voice", action="append", default=[], metavar="DIR",
                    help="voice directory (repeatable; default: every voice under voices/)")
     p.add_argument("--max-in-flight", type=int, default=64)
+    p.add_argument("--max-audio-ahead", type=float, default=4.0,
+                   help="seconds of audio a call may have made ahead of what its caller has read")
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="seconds between replica health checks")
     p.add_argument("--grace", type=float, default=10.0)
@@ -53,12 +55,16 @@ async def run(args: argparse.Namespace) -> None:
         raise ValueError("give at least one --text-service and one --vocoder-service address")
     tls, backend_tls, token = server_tls(args), client_tls(args), load_token(args)
     backend_creds = backend_tls.credentials() if backend_tls is not None else None
+    # Token messages are tiny: the default 64 KiB stream window (grown by BDP probing) would let
+    # the text service run thousands of tokens ahead of a paused call, out of its backlog bound.
     text_pool = ReplicaPool(args.text_service, "splittts.text.v1.TextGeneration",
-                            args.health_interval, backend_creds)
+                            args.health_interval, backend_creds,
+                            channel_options=(("grpc.http2.lookahead_bytes", 256),
+                                             ("grpc.http2.bdp_probe", 0)))
     vocoder_pool = ReplicaPool(args.vocoder_service, "splittts.vocoder.v1.Vocoder",
                                args.health_interval, backend_creds)
     frontends = {v.name: FrontEnd(v.text_frontend) for v in voices}
-    pipeline = Pipeline(text_pool, vocoder_pool, frontends)
+    pipeline = Pipeline(text_pool, vocoder_pool, frontends, max_audio_ahead_s=args.max_audio_ahead)
     servicer = TextToSpeechServicer(pipeline, voices, max_in_flight=args.max_in_flight)
 
     async def warmup() -> None:

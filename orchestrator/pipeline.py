@@ -24,6 +24,7 @@ from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.voices import VoiceSpec
 from orchestrator.word_timings import word_spans
 from servicekit.errors import InvalidArgument, StatusError
+from servicekit.flow import AheadBudget
 from splittts.text.v1 import text_pb2, text_pb2_grpc
 from splittts.tts.v1 import tts_pb2
 from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
@@ -31,6 +32,13 @@ from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
 log = logging.getLogger(__name__)
 
 _END = object()
+# token chunks a segment may hold for the vocoder: past it its Generate stream is not read, and
+# gRPC flow control, then the text service's backlog bound, pause its generation
+_MAX_QUEUED_CHUNKS = 8
+# speech sent to the vocoder whose audio has not come back: the vocoder's own receive window
+# would otherwise take thousands of tokens. It must exceed what the vocoder holds back for its
+# next chunk (--max-chunk-frames 128 plus context, about 1.6 s), or both sides would wait.
+_MAX_IN_VOCODER_S = 3.0
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -78,7 +86,7 @@ class _Segment:
         self.plan = plan  # phoneme-synchronous decoding, when the voice declares it
         self.phoneme_starts: list[int] = []  # speech tokens before each emitted phoneme
         self.num_speech = 0
-        self.tokens: asyncio.Queue = asyncio.Queue()
+        self.tokens: asyncio.Queue = asyncio.Queue(maxsize=_MAX_QUEUED_CHUNKS)
         self.task: asyncio.Task | None = None
 
     def count(self, ids, voice: VoiceSpec) -> None:
@@ -160,7 +168,10 @@ class Pipeline:
     """Runs syntheses against pools of text-service and vocoder-service replicas."""
 
     def __init__(self, text_pool: ReplicaPool, vocoder_pool: ReplicaPool, frontends: dict,
-                 lookahead_segments: int = 1, stream_chunk_tokens: int = 8):
+                 lookahead_segments: int = 1, stream_chunk_tokens: int = 8,
+                 max_audio_ahead_s: float = 4.0):
+        if max_audio_ahead_s <= 0:
+            raise ValueError(f"max_audio_ahead_s must be > 0 (got {max_audio_ahead_s})")
         self.text_pool = text_pool
         self.vocoder_pool = vocoder_pool
         self.frontends = frontends  # voice name -> FrontEnd
@@ -169,6 +180,9 @@ class Pipeline:
         # eights, so every hop handles an eighth of the messages (each costs the vocoder's core
         # more than the audio of one token) for a few milliseconds of delay
         self.stream_chunk_tokens = stream_chunk_tokens
+        # audio made ahead of what the caller has taken: past it the Vocode stream is not read,
+        # so a paused caller backs up to the vocoder and from there to the text service
+        self.max_audio_ahead_s = max_audio_ahead_s
         self._planners: dict[str, SyncPlanner | None] = {}
 
     def planner(self, voice: VoiceSpec) -> SyncPlanner | None:
@@ -198,12 +212,16 @@ class Pipeline:
         out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz,
                           self._stretch(req))
         vocoder = VocodeSession(self.vocoder_pool, req.voice, req.downstream_id, req.trace_id)
-        outbox: asyncio.Queue = asyncio.Queue()
+        outbox: asyncio.Queue = asyncio.Queue()  # bounded by `ahead` (audio) and the segments
+        ahead = AheadBudget(self.max_audio_ahead_s)
+        in_vocoder = AheadBudget(_MAX_IN_VOCODER_S)
         tasks: list[asyncio.Task] = []
         try:
             await vocoder.open()
-            tasks.append(asyncio.create_task(self._feed(req, texts, vocoder, tracker, outbox, tasks)))
-            tasks.append(asyncio.create_task(self._read_audio(vocoder, out, tracker, outbox)))
+            tasks.append(asyncio.create_task(self._feed(req, texts, vocoder, tracker, outbox, tasks,
+                                                        in_vocoder)))
+            tasks.append(asyncio.create_task(self._read_audio(vocoder, out, tracker, outbox, ahead,
+                                                              in_vocoder)))
             seq = 0
             while True:
                 item = await outbox.get()
@@ -219,6 +237,7 @@ class Pipeline:
                         audio=piece.audio, sequence_number=seq, first_sample=piece.first_sample,
                         duration_s=piece.duration_s, sample_rate_hz=piece.sample_rate_hz))
                     tracker.on_audio_sent(piece.duration_s)
+                    ahead.taken(piece.duration_s)
                     seq += 1
         except grpc.aio.AioRpcError as exc:
             raise downstream_error("vocoder", vocoder.replica, exc) from None
@@ -229,8 +248,9 @@ class Pipeline:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- text side ----------------------------------------------------------------------------
-    async def _feed(self, req, texts, vocoder, tracker, outbox, tasks) -> None:
-        """Segments in order: each one's speech tokens go to the vocoder as they arrive."""
+    async def _feed(self, req, texts, vocoder, tracker, outbox, tasks, in_vocoder) -> None:
+        """Segments in order: each one's speech tokens go to the vocoder as they arrive, while
+        the audio in the making there is under its bound."""
         try:
             ready: asyncio.Queue = asyncio.Queue(maxsize=self.lookahead_segments)
             awaiting_text = asyncio.Event()  # set while the caller has not sent the next text
@@ -270,15 +290,21 @@ class Pipeline:
             tasks.append(producer)
             lo = req.voice.speech_token_range[0]
             ms_per_token = 1e3 * req.voice.samples_per_token / req.voice.sample_rate / self._stretch(req)
+            s_per_token = req.voice.samples_per_token / req.voice.sample_rate
             index = 0
             while (seg := await ready.get()) is not None:
                 if isinstance(seg, BaseException):
                     raise seg
                 base_tokens = tracker.num_speech_tokens
-                while (ids := await _coalesced(seg.tokens)) is not None:
+                while True:
+                    await in_vocoder.room()  # the tokens wait here, coalescing, meanwhile
+                    ids = await _coalesced(seg.tokens)
+                    if ids is None:
+                        break
                     if isinstance(ids, BaseException):
                         raise ids
                     tracker.num_speech_tokens += len(ids)
+                    in_vocoder.add(len(ids) * s_per_token)
                     await vocoder.write(vocoder_pb2.VocodeRequest(
                         tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])))
                 if seg.plan is not None:
@@ -347,18 +373,24 @@ class Pipeline:
                         stub = text_pb2_grpc.TextGenerationStub(replica.channel)
                         sent = time.perf_counter()
                         first_ms = None
-                        async for resp in stub.Generate(request, metadata=child_traceparent(req.trace_id)):
-                            if not received:
-                                first_ms = 1e3 * (time.perf_counter() - sent)
-                                received = True
-                            seg.count(resp.token_ids, req.voice)
-                            ids = [t for t in resp.token_ids if req.voice.is_speech(t)]
-                            if ids:
-                                seg.tokens.put_nowait(ids)
-                            if resp.HasField("timings"):
-                                tracker.text_hop.address = replica.address
-                                tracker.on_segment_done(resp.timings, first_ms,
-                                                        1e3 * (time.perf_counter() - sent))
+                        call = stub.Generate(request, metadata=child_traceparent(req.trace_id))
+                        try:
+                            async for resp in call:
+                                if not received:
+                                    first_ms = 1e3 * (time.perf_counter() - sent)
+                                    received = True
+                                seg.count(resp.token_ids, req.voice)
+                                ids = [t for t in resp.token_ids if req.voice.is_speech(t)]
+                                if ids:
+                                    await seg.tokens.put(ids)
+                                if resp.HasField("timings"):
+                                    tracker.text_hop.address = replica.address
+                                    tracker.on_segment_done(resp.timings, first_ms,
+                                                            1e3 * (time.perf_counter() - sent))
+                        finally:
+                            # a call left unread (cancelled, failed) would stay paused on
+                            # its replica, holding its cache: end it there
+                            call.cancel()
                     break
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAVAILABLE and not received:
@@ -366,18 +398,23 @@ class Pipeline:
                         tried += (replica,)
                         continue
                     raise downstream_error("text", replica, exc) from None
-            seg.tokens.put_nowait(None)
+            await seg.tokens.put(None)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the feeder in order
-            seg.tokens.put_nowait(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            await seg.tokens.put(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
 
     # -- vocoder side -------------------------------------------------------------------------
     async def _read_audio(self, vocoder: VocodeSession, out: AudioOutput, tracker: LatencyTracker,
-                          outbox: asyncio.Queue) -> None:
+                          outbox: asyncio.Queue, ahead: AheadBudget,
+                          in_vocoder: AheadBudget) -> None:
         try:
             tracker.vocoder_hop.address = vocoder.replica.address
-            async for resp in vocoder.call:
+            while True:
+                await ahead.room()  # the caller has taken enough of what was made
+                resp = await vocoder.call.read()
+                if resp is grpc.aio.EOF:
+                    break
                 now = time.perf_counter()
                 if resp.HasField("summary"):
                     tracker.vocoder_compute_ms = resp.summary.compute_ms
@@ -385,9 +422,11 @@ class Pipeline:
                 t = resp.timings
                 if 0 <= t.trigger_message < len(vocoder.sent_at):
                     tracker.vocoder_hop.add(1e3 * (now - vocoder.sent_at[t.trigger_message]) - t.service_ms)
+                in_vocoder.taken(resp.audio.num_samples / vocoder.voice.sample_rate)
                 pcm = np.frombuffer(resp.audio.pcm, dtype="<i2").astype(np.float32) / 32767.0
                 pieces = out.push(pcm)
                 if pieces:
+                    ahead.add(sum(piece.duration_s for piece in pieces))
                     outbox.put_nowait(pieces)
             tail = out.finish()
             if tail:

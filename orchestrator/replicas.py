@@ -19,9 +19,11 @@ _DOWN_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnecti
 class Replica:
     """One address of a backend, its channel and its load."""
 
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                 options: tuple[tuple[str, int], ...] = ()):
         self.address = address
         options = [
+            *options,
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.enable_retries", 0),
             # reconnect soon after a replica comes back (the default backoff grows to 120 s)
@@ -42,15 +44,17 @@ class Replica:
 class ReplicaPool:
     """Requests go to the healthy replica with the fewest in flight; checks run in the background.
 
-    With `credentials` every replica is dialled over TLS (mutual when they hold a certificate).
+    With `credentials` every replica is dialled over TLS (mutual when they hold a certificate);
+    `channel_options` are added to every replica's channel.
     """
 
     def __init__(self, addresses: list[str], service: str, check_interval_s: float = 1.0,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None,
+                 channel_options: tuple[tuple[str, int], ...] = ()):
         if not addresses:
             raise ValueError(f"at least one {service} address is required")
         self.service = service
-        self.replicas = [Replica(a, credentials) for a in addresses]
+        self.replicas = [Replica(a, credentials, channel_options) for a in addresses]
         self.check_interval_s = check_interval_s
         self._task: asyncio.Task | None = None
 

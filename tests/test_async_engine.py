@@ -15,10 +15,11 @@ from text_service.sequence import Sequence
 
 
 class FakeEngine:
-    """Emits one token per request per step; `step` raises once `fail` is set."""
+    """Emits one token per unpaused request per step; `step` raises once `fail` is set."""
 
     def __init__(self):
         self.seqs: dict[str, Sequence] = {}
+        self.paused: set[str] = set()
         self.fail = threading.Event()
         self.aborted: list[str] = []
 
@@ -35,12 +36,24 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.seqs)
 
+    def pause_request(self, rid) -> bool:
+        self.paused.add(rid)
+        return rid in self.seqs
+
+    def resume_request(self, rid) -> None:
+        self.paused.discard(rid)
+
+    def has_runnable_requests(self) -> bool:
+        return bool(self.seqs.keys() - self.paused)
+
     def step(self) -> list[StepOutput]:
         if self.fail.is_set():
             raise RuntimeError("device lost at 0xdeadbeef")
         threading.Event().wait(0.005)
         outs = []
         for rid, seq in list(self.seqs.items()):
+            if rid in self.paused:
+                continue
             seq.token_ids.append(7)
             done = seq.num_output_tokens >= seq.sampling_params.max_tokens
             if done:
@@ -110,3 +123,32 @@ def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones():
             ae.add("late", [1], SamplingParams())
         ae.stop()
     run(main())
+
+
+def test_a_reader_that_falls_behind_pauses_only_its_own_request_until_it_catches_up():
+    async def main():
+        engine = FakeEngine()
+        ae = AsyncEngine(engine, max_backlog=4)
+        ae.start()
+        slow = ae.add("slow", [1], SamplingParams(max_tokens=50))
+        fast = ae.add("fast", [1], SamplingParams(max_tokens=50))
+        fast_tokens = []
+        while len(fast_tokens) < 50:  # the other request runs to the end meanwhile
+            for ev in await fast.next_events():
+                fast_tokens += ev.token_ids
+        assert engine.paused == {"slow"} and engine.seqs["slow"].num_output_tokens == 4
+        assert slow.queue.qsize() == 4
+        tokens, finished = [], False
+        while not finished:  # catching up resumes it, a backlog at a time
+            for ev in await slow.next_events():
+                tokens += ev.token_ids
+                finished = ev.finished
+            assert slow.queue.qsize() <= 4
+        assert tokens == [7] * 50 and "slow" not in engine.seqs
+        ae.stop()
+    run(main())
+
+
+def test_max_backlog_must_be_positive():
+    with pytest.raises(ValueError, match="max_backlog"):
+        AsyncEngine(FakeEngine(), max_backlog=0)

@@ -377,6 +377,50 @@ def test_stats_report_queue_sizes_and_kv_usage():
     assert stats.kv_cache_usage == pytest.approx(2 / 32)  # a's 9th token needs no block yet
 
 
+# -- pausing (a slow reader) ----------------------------------------------------------------
+def test_a_paused_sequence_keeps_its_blocks_but_gets_no_decode_until_resumed():
+    sched = Scheduler(config())
+    a, b = new_seq("a", 3, max_tokens=10), new_seq("b", 3, max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert sched.pause("a") and sched.stats().num_paused == 1
+    blocks = list(a.block_table)
+    for _ in range(3):
+        out, _ = step(sched)
+        assert [s.seq_id for s in out.seqs] == ["b"]
+    assert a.num_output_tokens == 1 and a.block_table == blocks and b.num_output_tokens == 4
+    sched.resume("a")
+    out, _ = step(sched)
+    assert [s.seq_id for s in out.seqs] == ["a", "b"] and a.num_output_tokens == 2
+
+
+def test_only_paused_sequences_means_nothing_to_schedule_and_no_error():
+    sched = Scheduler(config(max_num_seqs=1))
+    sched.add(new_seq("a", 3, max_tokens=10))
+    sched.add(new_seq("b", 3, max_tokens=10))
+    step(sched)
+    sched.pause("a")
+    assert not sched.has_schedulable()  # b waits for a's seat
+    assert sched.schedule().is_empty and sched.has_unfinished()
+    sched.resume("a")
+    assert sched.has_schedulable()
+
+
+def test_finishing_or_aborting_forgets_the_pause():
+    sched = Scheduler(config())
+    sched.add(new_seq("a", 3, max_tokens=2))
+    sched.add(new_seq("b", 3, max_tokens=10))
+    step(sched)
+    sched.pause("a")
+    sched.pause("b")
+    sched.resume("a")
+    step(sched)  # a's second token: it finishes
+    assert sched.get("a") is None and sched.paused == {"b"}
+    sched.abort("b")
+    assert sched.paused == set() and not sched.pause("b") and not sched.pause("nope")
+
+
 # -- no torch --------------------------------------------------------------------------------
 def test_engine_core_imports_without_torch():
     code = (

@@ -50,7 +50,8 @@ def write_char_tokenizer(folder: Path, extra_tokens: int) -> dict[str, int]:
 
 
 def make_tts_voice(root: Path, name: str = "tiny", speech_tokens: int = 64, max_tokens: int = 48,
-                   seed: int = 0, phoneme_sync: dict | None = None) -> Path:
+                   seed: int = 0, phoneme_sync: dict | None = None,
+                   lm_overrides: dict | None = None) -> Path:
     """A complete voice: tiny random Qwen3.5 LM with a char tokenizer + random token decoder;
     with `phoneme_sync`, decoded phoneme by phoneme (its characters are the "phonemes")."""
     from tests.hf_models import make_tiny_model
@@ -58,7 +59,7 @@ def make_tts_voice(root: Path, name: str = "tiny", speech_tokens: int = 64, max_
     folder = make_random_voice(root, name=name, codebook_size=speech_tokens, seed=seed)
     vocab_size = len(SPECIALS) + len(CHARS) + speech_tokens
     lm = make_tiny_model(root / f"{name}-lm-build", "qwen3_5", seed=seed, vocab_size=vocab_size,
-                         bos_token_id=1, eos_token_id=3, pad_token_id=0)
+                         bos_token_id=1, eos_token_id=3, pad_token_id=0, **(lm_overrides or {}))
     lm.rename(folder / "lm")
     write_char_tokenizer(folder / "lm", speech_tokens)
     start = len(SPECIALS) + len(CHARS)
@@ -91,3 +92,20 @@ def write_random_duration_predictor(folder: Path, vocab: int, mean_tokens: float
     (folder / "durations").mkdir(parents=True, exist_ok=True)
     save_file(weights, str(folder / "durations" / "predictor.safetensors"))
     return "durations/predictor.safetensors"
+
+
+def speech_tokens_only(folder: Path) -> Path:
+    """Make the voice's (greedy) LM never end: every call then runs to max_tokens.
+
+    The end token stays allowed (stop ids always are), so its output row is zeroed: its logit is
+    0, below the largest of 64 random speech-token logits at every step.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    manifest = json.loads((folder / "voice.json").read_text())
+    weights_file = folder / "lm" / "model.safetensors"
+    weights = load_file(str(weights_file))
+    key = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    weights[key][manifest["end_token_id"]] = 0.0
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    return folder

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight before RESOURCE_EXHAUSTED")
     p.add_argument("--max-num-waiting", type=int, default=1024,
                    help="sequences the scheduler queues before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-stream-backlog", type=int, default=64,
+                   help="tokens a request may have made ahead of its reader before it is paused")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
@@ -80,7 +82,8 @@ async def run(args: argparse.Namespace) -> None:
     # and the process exits non-zero for its supervisor to restart it.
     stop = asyncio.Event()
     async_engine = AsyncEngine(engine, max_pending=args.max_pending,
-                               on_failure=lambda exc: stop.set())
+                               on_failure=lambda exc: stop.set(),
+                               max_backlog=args.max_stream_backlog)
     servicer = TextGenerationServicer(async_engine, Path(args.model).resolve().name)
 
     def warmup() -> None:  # one short request through every path before SERVING

@@ -30,12 +30,17 @@ class TokenEvent:
 
 @dataclass
 class RequestStream:
-    """What a caller holds for one request: its id, arrival time and output queue."""
+    """What a caller holds for one request: its id, arrival time and output queue.
+
+    The queue holds at most `max_backlog` tokens plus one step: past that the engine pauses
+    the request until the caller takes them (`on_taken` tells it how many were taken).
+    """
 
     request_id: str
     arrival_time: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    on_taken: Callable[[int], None] | None = None
 
     async def next_events(self) -> list[TokenEvent]:
         """Wait for at least one event, then take every event already queued."""
@@ -46,6 +51,9 @@ class RequestStream:
         for item in items:
             if isinstance(item, BaseException):
                 raise item
+        taken = sum(len(item.token_ids) for item in items)
+        if taken and self.on_taken is not None:
+            self.on_taken(taken)
         return items
 
 
@@ -54,17 +62,24 @@ class AsyncEngine:
 
     The event loop owns `_streams`; the engine thread keeps its own map of the requests it runs
     and hands every result back through `call_soon_threadsafe`, so neither reads what the other
-    mutates. If the loop dies, every request fails at once, `error` is set, `add` refuses work
+    mutates. A request with `max_backlog` tokens delivered but not yet taken is paused (kept in
+    the cache, not decoded) until its caller catches up: a slow reader slows its own request
+    only, and its queue stays bounded. If the loop dies, every request fails at once, `error` is set, `add` refuses work
     and `on_failure` is called on the event loop.
     """
 
     def __init__(self, engine: LLMEngine, max_pending: int = 256,
-                 on_failure: Callable[[BaseException], None] | None = None):
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 max_backlog: int = 64):
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog must be >= 1 (got {max_backlog})")
         self.engine = engine
         self.max_pending = max_pending
+        self.max_backlog = max_backlog
         self.on_failure = on_failure
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._running: dict[str, RequestStream] = {}  # engine thread only
+        self._backlog: dict[str, int] = {}  # engine thread only: tokens delivered, not taken
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -101,7 +116,8 @@ class AsyncEngine:
                                 f"{self.max_pending}); retry later")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        stream = RequestStream(request_id, time.perf_counter())
+        stream = RequestStream(request_id, time.perf_counter(),
+                               on_taken=lambda n: self._taken(request_id, n))
         self._streams[request_id] = stream
         self._commands.put(("add", stream, prompt_token_ids, params))
         self._wake.set()
@@ -117,6 +133,10 @@ class AsyncEngine:
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
         self._streams.pop(request_id, None)
+
+    def _taken(self, request_id: str, n: int) -> None:
+        self._commands.put(("taken", request_id, n))
+        self._wake.set()
 
     # -- event loop, called from the engine thread ----------------------------------------------
     @staticmethod
@@ -151,14 +171,22 @@ class AsyncEngine:
                     self._deliver(stream, exc)
                 else:
                     self._running[stream.request_id] = stream
+                    self._backlog[stream.request_id] = 0
+            elif cmd[0] == "taken":
+                _, rid, n = cmd
+                if rid in self._backlog:
+                    self._backlog[rid] -= n
+                    if self._backlog[rid] < self.max_backlog:
+                        self.engine.resume_request(rid)
             elif self._running.pop(cmd[1], None) is not None:
+                self._backlog.pop(cmd[1], None)
                 self.engine.abort_request(cmd[1])
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
-                if not self.engine.has_unfinished_requests():
+                if not self.engine.has_runnable_requests():  # idle, or every request paused
                     self.stats = self.engine.stats()
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -169,13 +197,21 @@ class AsyncEngine:
                     if out.new_token_ids or out.finished:
                         rid = out.seq.seq_id
                         stream = self._running.pop(rid) if out.finished else self._running.get(rid)
-                        if stream is not None:
-                            self._deliver(stream, TokenEvent(list(out.new_token_ids), out.finished,
-                                                             out.seq, now))
+                        if stream is None:
+                            continue
+                        self._deliver(stream, TokenEvent(list(out.new_token_ids), out.finished,
+                                                         out.seq, now))
+                        if out.finished:
+                            self._backlog.pop(rid, None)
+                            continue
+                        self._backlog[rid] += len(out.new_token_ids)
+                        if self._backlog[rid] >= self.max_backlog:
+                            self.engine.pause_request(rid)
                 self.stats = self.engine.stats()
         except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
             log.exception("engine loop crashed; failing every request")
             self._running.clear()
+            self._backlog.clear()
             try:
                 self._loop.call_soon_threadsafe(self._fail_all, exc)
             except RuntimeError:  # the event loop is already closed

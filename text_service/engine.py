@@ -140,6 +140,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def pause_request(self, request_id) -> bool:
+        """Stop decoding a request until `resume_request` (its reader is behind)."""
+        return self.scheduler.pause(request_id)
+
+    def resume_request(self, request_id) -> None:
+        self.scheduler.resume(request_id)
+
+    def has_runnable_requests(self) -> bool:
+        """Whether `step` has work now (paused requests alone do not count)."""
+        return self.scheduler.has_schedulable()
+
     # -- steps --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule, run and sample one step; one StepOutput per request that got a token."""
@@ -204,4 +215,5 @@ class LLMEngine:
             "prefix_cache_queries": sched.prefix_cache_queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
             "num_preemptions": sched.num_preemptions,
+            "num_paused": sched.num_paused,
         }

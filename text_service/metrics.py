@@ -27,6 +27,8 @@ PREFIX_QUERIES = Gauge("splittts_text_prefix_cache_queries",
 PREFIX_HITS = Gauge("splittts_text_prefix_cache_hits",
                     "Prompt tokens served from the prefix cache (cumulative).")
 PREEMPTIONS = Gauge("splittts_text_num_preemptions", "Preemptions so far (cumulative).")
+PAUSED = Gauge("splittts_text_num_requests_paused",
+               "Running sequences paused because their reader is behind.")
 PROMPT_TOKENS = Counter("splittts_text_prompt_tokens", "Prompt tokens received.")
 GENERATION_TOKENS = Counter("splittts_text_generation_tokens", "Tokens generated.")
 REQUESTS = Counter("splittts_text_request_success",
@@ -38,5 +40,6 @@ def follow_engine_stats(stats: Callable[[], dict]) -> None:
     """Read the gauges from `stats()` (the engine thread's latest) at every scrape."""
     for gauge, key in ((RUNNING, "num_running"), (WAITING, "num_waiting"),
                        (KV_USAGE, "kv_cache_usage"), (PREFIX_QUERIES, "prefix_cache_queries"),
-                       (PREFIX_HITS, "prefix_cache_hits"), (PREEMPTIONS, "num_preemptions")):
+                       (PREFIX_HITS, "prefix_cache_hits"), (PREEMPTIONS, "num_preemptions"),
+                       (PAUSED, "num_paused")):
         gauge.set_function(lambda key=key: stats().get(key, 0))

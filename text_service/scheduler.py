@@ -66,6 +66,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_paused: int = 0
 
 
 class Scheduler:
@@ -83,6 +84,8 @@ class Scheduler:
     reuse (its last token is always recomputed), and chunks shortened by the budget are
     rounded down to a block boundary; every prefill chunk ending on a boundary is snapshotted.
     The price is one extra step for a prompt whose tail does not fill a block.
+
+    A paused sequence (its reader is behind) keeps its blocks but gets no decode until resumed.
     """
 
     def __init__(self, config: EngineConfig):
@@ -92,6 +95,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
         self._seqs: dict[object, Sequence] = {}  # every unfinished sequence by id
+        self.paused: set[object] = set()  # ids of running sequences not to decode for now
         self._eos = frozenset(config.eos_token_ids)
         self._snapshots = (config.is_hybrid and config.enable_prefix_caching
                            and config.num_snapshot_slots > 0)
@@ -132,6 +136,24 @@ class Scheduler:
         self._finish(seq, "abort")
         return seq
 
+    def pause(self, seq_id: object) -> bool:
+        """Stop decoding a sequence (it keeps its cache); False if unknown or finished."""
+        if seq_id not in self._seqs:
+            return False
+        self.paused.add(seq_id)
+        return True
+
+    def resume(self, seq_id: object) -> None:
+        """Decode a paused sequence again (no-op if it is not paused)."""
+        self.paused.discard(seq_id)
+
+    def has_schedulable(self) -> bool:
+        """Whether a step would have work: an unpaused running sequence or an admissible one."""
+        if any(s.seq_id not in self.paused for s in self.running):
+            return True
+        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+                and self.block_manager.can_allocate(self.waiting[0]))
+
     def get(self, seq_id: object) -> Sequence | None:
         """The unfinished sequence with this id, if any."""
         return self._seqs.get(seq_id)
@@ -142,7 +164,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting), bm.usage,
-                              bm.prefix_cache_queries, bm.prefix_cache_hits, self.num_preemptions)
+                              bm.prefix_cache_queries, bm.prefix_cache_hits, self.num_preemptions,
+                              len(self.paused))
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -153,7 +176,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.is_prefill:
+            if seq.is_prefill or seq.seq_id in self.paused:
                 i += 1
                 continue
             while not bm.can_append(seq):
@@ -192,7 +215,8 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens
             self.running.append(seq)
             budget -= self._schedule_chunk(out, seq, self._chunk_size(seq, budget))
-        if out.is_empty and not out.preempted and self.has_unfinished():
+        # Paused sequences may hold the blocks a waiting one needs: it waits for them to drain.
+        if out.is_empty and not out.preempted and self.has_unfinished() and not self.paused:
             raise RuntimeError("scheduler made no progress: " + repr(self.stats()))
         return out
 
@@ -276,4 +300,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_scheduled_tokens = 0
+        self.paused.discard(seq.seq_id)
         del self._seqs[seq.seq_id]

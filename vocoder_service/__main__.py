@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "per forward; windowed: each chunk recomputes its context, many streams "
                         "per forward (auto: stateful on CPU, windowed on accelerators)")
     p.add_argument("--max-streams", type=int, default=64)
+    p.add_argument("--max-audio-ahead", type=float, default=2.0,
+                   help="seconds of audio a stream may have in the making ahead of its reader")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="warning")
     add_server_flags(p)
@@ -99,7 +101,8 @@ async def run(args: argparse.Namespace) -> None:
         voices, backends,
         policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames,
                            args.shared_chunk_frames),
-        limits=VocoderLimits(max_streams=args.max_streams),
+        limits=VocoderLimits(max_streams=args.max_streams,
+                             max_audio_ahead_s=args.max_audio_ahead),
         max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames,
         max_first_batch=None if args.max_first_batch == 0 else args.max_first_batch,
         streaming=args.streaming)

@@ -19,6 +19,8 @@ FORWARD = Histogram("splittts_vocoder_forward_seconds", "Wall time of one batche
 RTF = Histogram("splittts_vocoder_rtf", "Stream wall time / audio duration.",
                 buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0))
 AUDIO_SECONDS = Counter("splittts_vocoder_audio_seconds", "Seconds of audio produced.")
+AUDIO_AHEAD = Gauge("splittts_vocoder_audio_ahead_seconds",
+                    "Audio submitted for vocoding but not yet taken by its stream's reader.")
 
 
 def observe_batch(size: int, seconds: float) -> None:

@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted
+from servicekit.flow import AheadBudget
 from servicekit.logs import log_event, trace_id
 from splittts.vocoder.v1 import vocoder_pb2 as pb
 from splittts.vocoder.v1 import vocoder_pb2_grpc
@@ -32,6 +33,9 @@ class VocoderLimits:
     max_streams: int = 64
     max_chunk_frames: int = 4096  # tokens or mel frames in one message
     max_stream_frames: int = 22050 * 600 // 256  # ten minutes of audio
+    # audio submitted for vocoding but not yet taken by the reader; past it the stream's input
+    # is not read, so a slow reader backs up to its sender instead of filling memory
+    max_audio_ahead_s: float = 2.0
 
 
 def _on_cpu(backend: Backend) -> bool:
@@ -75,6 +79,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         self.backends = backends  # voice name -> backend (voices may share one)
         self.policy = policy or ChunkPolicy()
         self.limits = limits or VocoderLimits()
+        if self.limits.max_audio_ahead_s <= 0:
+            raise ValueError(f"max_audio_ahead_s must be > 0 (got {self.limits.max_audio_ahead_s})")
         if max_batch_frames is not None and max_batch_frames < 1:
             raise ValueError(f"max_batch_frames must be >= 1 (got {max_batch_frames})")
         if streaming not in STREAMING_MODES:
@@ -144,8 +150,9 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         self.active_streams += 1
         metrics.ACTIVE_STREAMS.inc()
         batcher = self._batchers[id(self.backends[voice.name])]
-        outbox: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read(requests, stream, batcher, outbox))
+        outbox: asyncio.Queue = asyncio.Queue()  # bounded by `ahead`
+        ahead = AheadBudget(self.limits.max_audio_ahead_s * voice.config.sampling_rate)
+        reader = asyncio.create_task(self._read(requests, stream, batcher, outbox, ahead))
         started = time.perf_counter()
         outcome = "cancelled"
         summary = pb.VocodeSummary()
@@ -176,6 +183,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                     timings=pb.ChunkTimings(compute_ms=result.compute_ms, queue_ms=result.queue_ms,
                                             service_ms=1e3 * (now - chunk.ready_at),
                                             trigger_message=trigger))
+                ahead.taken(job.num_samples)
+                metrics.AUDIO_AHEAD.dec(job.num_samples / voice.config.sampling_rate)
             audio_s = summary.num_samples / voice.config.sampling_rate
             if audio_s > 0:
                 metrics.RTF.observe((time.perf_counter() - started) / audio_s)
@@ -187,6 +196,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             raise
         finally:
             reader.cancel()
+            metrics.AUDIO_AHEAD.dec(ahead.ahead / voice.config.sampling_rate)
             while not outbox.empty():  # drop queued work of a stream nobody will read
                 item = outbox.get_nowait()
                 if isinstance(item, tuple):
@@ -196,6 +206,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             metrics.STREAMS.labels(outcome).inc()
             log_event(log, "stream closed", stream=stream.stream_id, outcome=outcome,
                       samples=summary.num_samples, chunks=summary.num_chunks,
+                      audio_ahead_peak_s=round(ahead.peak / voice.config.sampling_rate, 3),
                       trace_id=trace_id(context))
 
     def _open(self, first: pb.VocodeRequest) -> tuple[VocoderVoice, VocoderStream]:
@@ -221,8 +232,17 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         return voice, stream
 
     async def _read(self, requests, stream: VocoderStream, batcher: Batcher,
-                    outbox: asyncio.Queue) -> None:
-        """Feed input into the stream and submit ready jobs, in order, to the batcher."""
+                    outbox: asyncio.Queue, ahead: AheadBudget) -> None:
+        """Feed input into the stream and submit ready jobs, in order, to the batcher, while
+        the audio ahead of the reader is under its bound."""
+
+        async def submit(index: int) -> None:
+            for job in stream.ready(shared=self.active_streams > 1):
+                await ahead.room()
+                ahead.add(job.num_samples)
+                metrics.AUDIO_AHEAD.inc(job.num_samples / stream.config.sampling_rate)
+                outbox.put_nowait((job, batcher.submit(job), index))
+
         try:
             received, index = 0, 0
             async for req in requests:
@@ -244,13 +264,11 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 if received > self.limits.max_stream_frames:
                     raise InvalidArgument(f"stream exceeds {self.limits.max_stream_frames} "
                                           "frames (about ten minutes of audio)")
-                for job in stream.ready(shared=self.active_streams > 1):
-                    outbox.put_nowait((job, batcher.submit(job), index))
+                await submit(index)
             if received == 0:
                 raise InvalidArgument("empty stream: no tokens or mel frames before the end")
             stream.flush()  # half-close without end_of_stream also ends the stream
-            for job in stream.ready(shared=self.active_streams > 1):
-                outbox.put_nowait((job, batcher.submit(job), index))
+            await submit(index)
             outbox.put_nowait(_END)
         except asyncio.CancelledError:
             raise
