@@ -63,6 +63,12 @@ class SyncPlanner:
                    voice_dir / weights if weights else None,
                    int(config.get("min_tokens_per_phoneme", 0)))
 
+    @property
+    def schedules_rate(self) -> bool:
+        """True when the durations are forced (band [x, x]): the speaking rate then scales them
+        before synthesis; otherwise the model's vote sets the tempo and the audio is stretched."""
+        return self.predictor is not None and self.band[0] == self.band[1]
+
     def plan(self, model_input: str, speaking_rate: float = 1.0) -> SyncPlan | None:
         """The plan of one segment; None when its prompt does not hold its phonemes one per id."""
         text = self.tokenizer.encode(model_input, add_special_tokens=False)

@@ -196,14 +196,15 @@ class Pipeline:
     def _stretch(self, req: SynthesisRequest) -> float:
         """The tempo change left to the audio: none where the durations already carry the rate."""
         planner = self.planner(req.voice)
-        return 1.0 if planner is not None and planner.predictor is not None else req.speaking_rate
+        return 1.0 if planner is not None and planner.schedules_rate else req.speaking_rate
 
     def _prepare(self, frontend, text: str, req: SynthesisRequest) -> list[_Segment]:
         """Front end and phoneme-sync plans of one text piece (run off the event loop); with a
-        duration predictor the speaking rate scales the durations before synthesis."""
+        forced duration schedule the speaking rate scales the durations before synthesis."""
         planner = self.planner(req.voice)
         return [_Segment(s.text, s.model_input, s.normalized,
-                         planner.plan(s.model_input, req.speaking_rate) if planner else None)
+                         planner.plan(s.model_input, req.speaking_rate if planner.schedules_rate
+                                      else 1.0) if planner else None)
                 for s in frontend.process(text, req.language)]
 
     async def synthesize(self, req: SynthesisRequest, texts: AsyncIterator[str],

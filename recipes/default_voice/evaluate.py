@@ -11,7 +11,7 @@ import torch
 
 from recipes.default_voice.config import RecipeConfig
 from recipes.default_voice.data import load_split, spoken_english, teacher_audio
-from recipes.default_voice.lm import edit_distance, split_stream
+from recipes.default_voice.lm import edit_distance, normalize_phonemes, split_stream
 from recipes.default_voice.metrics import Recognizer, dnsmos, mcd, word_errors, write_arpa
 from recipes.default_voice.synth import CANDIDATES, Decoding, decode
 from recipes.default_voice.teacher import SAMPLE_RATE, trim_bounds
@@ -77,7 +77,9 @@ def score_decoding(cfg: RecipeConfig, lm_dir: Path, decoding: Decoding, sets: li
         parsed = [split_stream(st) for st in streams]
         ratios = np.array([len(c) / max(1, int(u.durations.sum())) for u, (_, c, _) in zip(utts, parsed)])
         runaway = sum(not stopped for _, _, stopped in parsed)
-        cer = float(np.mean([edit_distance(ch, u.phonemes) / len(u.phonemes) for u, (ch, _, _) in zip(utts, parsed)]))
+        # against the string the LM reads: the tokenizer's normaliser turns clause marks into breaks
+        refs = [normalize_phonemes(u.phonemes) for u in utts]
+        cer = float(np.mean([edit_distance(ch, ref) / len(ref) for ref, (ch, _, _) in zip(refs, parsed)]))
         n = min(n_audio.get(lang, 0), len(utts))
         spoken = _spoken_of(cfg, utts)
         asr = None
@@ -134,7 +136,13 @@ def choose_decoding(cfg: RecipeConfig, lm_dir: Path | None = None, n_en: int = 4
     for cand in CANDIDATES:
         if not cand.sync:
             continue  # the free copy is scored on the held-out set, beside the chosen decoding
+        cached = cfg.cache / "choice" / f"{cand.name}.json"
+        if cached.exists():
+            rows += json.loads(cached.read_text())
+            continue
         got, _ = score_decoding(cfg, lm_dir, cand, val, tools, {"en": n_en}, with_teacher=False)
+        cached.parent.mkdir(exist_ok=True)
+        cached.write_text(json.dumps(got))
         rows += got
     deployable = [r for r in rows if r["lang"] == "en" and r["system"] not in
                   {c.name for c in CANDIDATES if c.oracle}]

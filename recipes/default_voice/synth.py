@@ -43,6 +43,7 @@ CANDIDATES = (
     Decoding("vote, cap 8"),
     Decoding("vote, cap 4", cap=4),
     Decoding("predicted durations, band 0.7-1.4", band=(0.7, 1.4), cap=24),
+    Decoding("vote, cap 8, at least half the predicted duration", band=(0.5, 100.0)),
     Decoding("predicted durations forced", band=(1.0, 1.0), cap=24),
     Decoding("teacher durations forced (oracle)", oracle=True, cap=64),
 )
@@ -77,8 +78,8 @@ def decode(cfg: RecipeConfig, lm_dir: Path, phonemes: list[str], decoding: Decod
             continue
         plan = planner.plan(text)
         lo, hi = plan.min_tokens, plan.max_tokens
-        if decoding.oracle:
-            lo = hi = [int(d) for d in teacher_durations[k]]
+        if decoding.oracle and len(teacher_durations[k]) == len(lo):
+            lo = hi = [int(d) for d in teacher_durations[k]]  # else the tokenizer dropped a character
         c = PhonemeSync(tuple(plan.phoneme_ids), speech, EOS, tuple(lo), tuple(hi))
         prompts.append(plan.prompt_ids)
         params.append(SamplingParams(max_tokens=min(cfg.max_tokens * 2, len(lo) + sum(hi) + 1),
