@@ -10,7 +10,7 @@ from hf_models import load_hf_model, make_tiny_model
 from text_service.constraints import PhonemeSync, PhonemeSyncState
 from text_service.engine import EngineArgs, LLMEngine
 from text_service.errors import InvalidRequestError
-from text_service.sampler import Sampler, apply_phoneme_sync
+from text_service.sampler import Sampler, apply_phoneme_sync, apply_phoneme_sync_shared
 from text_service.sampling_params import SamplingParams
 
 LO, HI, END = 20, 255, 3  # speech ids, the end id
@@ -48,9 +48,13 @@ def test_batched_rule_matches_the_per_row_reference():
               else (True, True) for s in states]
     got = apply_phoneme_sync(logits, lo, hi, torch.tensor([s.next_id(c) for s in states]),
                              torch.tensor([b[0] for b in bounds]), torch.tensor([b[1] for b in bounds]))
+    shared = logits.clone()
+    apply_phoneme_sync_shared(shared, LO, HI, torch.tensor([s.next_id(c) for s in states]),
+                              torch.tensor([b[0] for b in bounds]), torch.tensor([b[1] for b in bounds]))
     for row, state in enumerate(states):
         want = torch.tensor(reference_row(logits[row].tolist(), c, state), dtype=torch.float64)
         assert torch.allclose(got[row], want, atol=1e-9), state
+        assert torch.allclose(shared[row], want, atol=1e-9), state
 
 
 def test_only_rows_with_a_constraint_change_and_non_finite_logits_give_valid_ids():

@@ -55,6 +55,19 @@ def apply_phoneme_sync(logits: Tensor, speech_lo: Tensor, speech_hi: Tensor, nex
     return out.scatter_(1, next_ids[:, None], vote[:, None])
 
 
+def apply_phoneme_sync_shared(logits: Tensor, lo: int, hi: int, next_ids: Tensor,
+                              may_advance: Tensor, must_advance: Tensor) -> None:
+    """apply_phoneme_sync in place for rows that share one speech range [lo, hi] (the usual
+    case: one voice): slices instead of a [rows, vocab] mask."""
+    pooled = torch.cat((logits[:, :lo], logits[:, hi + 1:]), 1).logsumexp(-1)
+    vote = torch.where(may_advance, pooled, torch.full_like(pooled, NEG_INF))
+    vote = torch.where(must_advance, torch.zeros_like(pooled), vote)
+    logits[:, :lo] = NEG_INF
+    logits[:, hi + 1:] = NEG_INF
+    logits[:, lo:hi + 1].masked_fill_(must_advance[:, None], NEG_INF)
+    logits.scatter_(1, next_ids[:, None], vote[:, None])
+
+
 def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
     """The candidates of each row, best first: (their logits, -inf where masked; their ids).
 
@@ -248,9 +261,16 @@ class Sampler:
             c, state = params[i].phoneme_sync, states[i]
             may, must = state.bounds(c)
             host[:, r] = (*c.speech_token_range, state.next_id(c), may, must)
+        shared = bool((host[0] == host[0, 0]).all() and (host[1] == host[1, 0]).all())
         lo, hi, next_ids, may, must = torch.from_numpy(host).to(logits.device)
-        if len(rows) == len(params):
-            logits.copy_(apply_phoneme_sync(logits, lo, hi, next_ids, may.bool(), must.bool()))
-            return
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = apply_phoneme_sync(logits[index], lo, hi, next_ids, may.bool(), must.bool())
+        may, must = may.bool(), must.bool()
+        every_row = len(rows) == len(params)
+        sub = logits if every_row else logits[torch.tensor(rows, device=logits.device)]
+        if shared:
+            apply_phoneme_sync_shared(sub, int(host[0, 0]), int(host[1, 0]), next_ids, may, must)
+        else:
+            sub = apply_phoneme_sync(sub, lo, hi, next_ids, may, must)
+            if every_row:
+                logits.copy_(sub)
+        if not every_row:
+            logits[torch.tensor(rows, device=logits.device)] = sub
