@@ -28,7 +28,7 @@ _FIELD_NAMES = {"temperature": "sampling.temperature", "top_k": "sampling.top_k"
                 "allowed_token_range": "allowed_tokens"}
 
 # A client's own deadline expires a transit time before ours, and its cancel can arrive first.
-_DEADLINE_SLACK_S = 0.25
+_DEADLINE_SLACK_S = 0.5
 
 
 def max_bytes_per_token(tokenizer) -> int:
