@@ -218,6 +218,8 @@ def cmd_synthesize(args) -> int:
     request = build_request(args, text)
     if args.output is None:
         raise BadInput("-o/--output is required (a file, or - for stdout)")
+    if args.timings and not Path(args.timings).resolve().parent.is_dir():
+        raise BadInput(f"--timings {args.timings}: its folder does not exist")
     metadata = call_metadata(args)
     with deployment(args) as address, open_channel(args, address) as channel:
         stub = tts_pb2_grpc.TextToSpeechStub(channel)

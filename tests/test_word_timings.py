@@ -140,3 +140,12 @@ def test_speaking_rate_scales_predicted_durations_before_synthesis(predicted):
     assert fast_s == pytest.approx(fast_tokens * 512 / 22050, rel=1e-3)
     assert audio_s == pytest.approx(tokens * 512 / 22050, rel=1e-3)
     assert fast[-1].end_ms <= 1e3 * fast_s + 1e-6 and words[-1].end_ms <= 1e3 * audio_s + 1e-6
+
+
+def test_cli_refuses_a_timings_file_in_a_missing_folder(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "synthesize", "hi", "-o",
+                           str(tmp_path / "x.wav"), "--server", "127.0.0.1:1",
+                           "--timings", str(tmp_path / "no" / "t.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--timings" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
