@@ -22,14 +22,19 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "elementwise_cpu.cpp"]
-_HEADERS = [_CSRC / "cpu_math.h"]  # part of the build key: a change rebuilds
+_HEADERS = [_CSRC / "cpu_math.h"]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _DTYPES = (torch.float32, torch.bfloat16)
 _STALE_LOCK_S = 900  # a build takes well under a minute; an older lock is a killed build's
 
 
 def _cpu_tag() -> str:
-    """A short hash of what the binary depends on: CPU features, torch, Python, our headers."""
+    """A short hash of what the binary depends on: CPU features, torch, Python, our sources.
+
+    The sources are part of it so that two versions of the project on one machine (a checkout
+    and a worktree, an upgrade beside a running service) build into folders of their own instead
+    of rebuilding over each other's binary and waiting on each other's lock.
+    """
     features = platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -40,8 +45,8 @@ def _cpu_tag() -> str:
         features += platform.processor()
     key = f"{features}|{torch.__version__}|{platform.python_version()}"
     digest = hashlib.sha256(key.encode())
-    for header in _HEADERS:  # torch rebuilds on source changes, not on header changes
-        digest.update(header.read_bytes())
+    for source in (*_SOURCES, *_HEADERS):
+        digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 
 

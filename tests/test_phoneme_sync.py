@@ -3,6 +3,7 @@ engine against a reference decoder on a tiny random model through chunked prefil
 preemption and prefix-cache hits, greedy and seeded."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,7 +51,7 @@ def test_batched_rule_matches_the_per_row_reference():
                              torch.tensor([b[0] for b in bounds]), torch.tensor([b[1] for b in bounds]))
     shared = logits.clone()
     apply_phoneme_sync_shared(shared, LO, HI, torch.tensor([s.next_id(c) for s in states]),
-                              torch.tensor([b[0] for b in bounds]), torch.tensor([b[1] for b in bounds]))
+                              np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds]))
     for row, state in enumerate(states):
         want = torch.tensor(reference_row(logits[row].tolist(), c, state), dtype=torch.float64)
         assert torch.allclose(got[row], want, atol=1e-9), state

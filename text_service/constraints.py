@@ -110,12 +110,16 @@ class PhonemeSyncState:
 
     def next_id(self, c: PhonemeSync) -> int:
         """The id a vote to move on emits."""
-        k = self.num_phonemes
-        return c.phoneme_ids[k] if k < len(c.phoneme_ids) else c.end_token_id
+        return self.row(c)[0]
 
     def bounds(self, c: PhonemeSync) -> tuple[bool, bool]:
         """(may advance, must advance) at this step."""
+        return self.row(c)[1:]
+
+    def row(self, c: PhonemeSync) -> tuple[int, bool, bool]:
+        """(next id, may advance, must advance): all the sampler needs of this row, in one call."""
         k = self.num_phonemes
         if k == 0:
-            return True, True  # the output opens with the first phoneme
-        return self.run >= c.min_tokens[k - 1], self.run >= c.max_tokens[k - 1]
+            return c.phoneme_ids[0], True, True  # the output opens with the first phoneme
+        nxt = c.phoneme_ids[k] if k < len(c.phoneme_ids) else c.end_token_id
+        return nxt, self.run >= c.min_tokens[k - 1], self.run >= c.max_tokens[k - 1]

@@ -56,16 +56,24 @@ def apply_phoneme_sync(logits: Tensor, speech_lo: Tensor, speech_hi: Tensor, nex
 
 
 def apply_phoneme_sync_shared(logits: Tensor, lo: int, hi: int, next_ids: Tensor,
-                              may_advance: Tensor, must_advance: Tensor) -> None:
+                              may_advance: np.ndarray, must_advance: np.ndarray) -> None:
     """apply_phoneme_sync in place for rows that share one speech range [lo, hi] (the usual
-    case: one voice): slices instead of a [rows, vocab] mask."""
-    pooled = torch.cat((logits[:, :lo], logits[:, hi + 1:]), 1).logsumexp(-1)
-    vote = torch.where(may_advance, pooled, torch.full_like(pooled, NEG_INF))
-    vote = torch.where(must_advance, torch.zeros_like(pooled), vote)
+    case: one voice). The bounds are host arrays: their few rows are indexed rather than every
+    row masked, and the speech range is sliced rather than compared."""
+    pooled = logits[:, :lo].logsumexp(-1)
+    if hi + 1 < logits.shape[1]:
+        pooled = torch.logaddexp(pooled, logits[:, hi + 1:].logsumexp(-1))
+    held = np.flatnonzero(~may_advance)
+    if held.size:
+        pooled[torch.from_numpy(held).to(logits.device)] = NEG_INF
     logits[:, :lo] = NEG_INF
     logits[:, hi + 1:] = NEG_INF
-    logits[:, lo:hi + 1].masked_fill_(must_advance[:, None], NEG_INF)
-    logits.scatter_(1, next_ids[:, None], vote[:, None])
+    forced = np.flatnonzero(must_advance)
+    if forced.size:
+        rows = torch.from_numpy(forced).to(logits.device)
+        logits[rows, lo:hi + 1] = NEG_INF
+        pooled[rows] = 0.0
+    logits.scatter_(1, next_ids[:, None], pooled[:, None])
 
 
 def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
@@ -256,21 +264,24 @@ class Sampler:
             return
         if states is None or any(states[i] is None for i in rows):
             raise ValueError("rows with phoneme_sync need their constraint states")
-        host = np.empty((5, len(rows)), dtype=np.int64)  # lo, hi, next id, may, must
-        for r, i in enumerate(rows):
-            c, state = params[i].phoneme_sync, states[i]
-            may, must = state.bounds(c)
-            host[:, r] = (*c.speech_token_range, state.next_id(c), may, must)
-        shared = bool((host[0] == host[0, 0]).all() and (host[1] == host[1, 0]).all())
-        lo, hi, next_ids, may, must = torch.from_numpy(host).to(logits.device)
-        may, must = may.bool(), must.bool()
+        syncs = [params[i].phoneme_sync for i in rows]
+        next_ids, may, must = zip(*(states[i].row(c) for i, c in zip(rows, syncs)))
+        may, must = np.array(may, dtype=bool), np.array(must, dtype=bool)
+        device = logits.device
+        next_t = torch.tensor(next_ids, device=device)
         every_row = len(rows) == len(params)
-        sub = logits if every_row else logits[torch.tensor(rows, device=logits.device)]
-        if shared:
-            apply_phoneme_sync_shared(sub, int(host[0, 0]), int(host[1, 0]), next_ids, may, must)
+        index = None if every_row else torch.tensor(rows, device=device)
+        sub = logits if every_row else logits[index]
+        ranges = {c.speech_token_range for c in syncs}
+        if len(ranges) == 1:
+            (lo, hi), = ranges
+            apply_phoneme_sync_shared(sub, lo, hi, next_t, may, must)
         else:
-            sub = apply_phoneme_sync(sub, lo, hi, next_ids, may, must)
+            lo, hi = (torch.tensor(x, device=device) for x in zip(*(c.speech_token_range
+                                                                   for c in syncs)))
+            sub = apply_phoneme_sync(sub, lo, hi, next_t, torch.from_numpy(may).to(device),
+                                     torch.from_numpy(must).to(device))
             if every_row:
                 logits.copy_(sub)
         if not every_row:
-            logits[torch.tensor(rows, device=logits.device)] = sub
+            logits[index] = sub
