@@ -209,20 +209,15 @@ class Pipeline:
 
     async def synthesize(self, req: SynthesisRequest, texts: AsyncIterator[str],
                          tracker: LatencyTracker) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
-        """Audio chunks as they are made; the caller appends tracker.report()."""
-        out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz,
-                          self._stretch(req))
-        vocoder = VocodeSession(self.vocoder_pool, req.voice, req.downstream_id, req.trace_id)
+        """Audio chunks as they are made; the caller appends tracker.report().
+
+        The work runs in one task group (`_run`) beside this generator, never inside it: a
+        generator suspended at `yield` must not own tasks whose failure would cancel its
+        consumer instead of itself. The group hands over its outcome once, at the end."""
         outbox: asyncio.Queue = asyncio.Queue()  # bounded by `ahead` (audio) and the segments
         ahead = AheadBudget(self.max_audio_ahead_s)
-        in_vocoder = AheadBudget(_MAX_IN_VOCODER_S)
-        tasks: list[asyncio.Task] = []
+        runner = asyncio.create_task(self._run(req, texts, tracker, outbox, ahead))
         try:
-            await vocoder.open()
-            tasks.append(asyncio.create_task(self._feed(req, texts, vocoder, tracker, outbox, tasks,
-                                                        in_vocoder)))
-            tasks.append(asyncio.create_task(self._read_audio(vocoder, out, tracker, outbox, ahead,
-                                                              in_vocoder)))
             seq = 0
             while True:
                 item = await outbox.get()
@@ -240,95 +235,107 @@ class Pipeline:
                     tracker.on_audio_sent(piece.duration_s)
                     ahead.taken(piece.duration_s)
                     seq += 1
-        except grpc.aio.AioRpcError as exc:
-            raise downstream_error("vocoder", vocoder.replica, exc) from None
         finally:
-            for task in tasks:
-                task.cancel()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    async def _run(self, req: SynthesisRequest, texts: AsyncIterator[str], tracker: LatencyTracker,
+                   outbox: asyncio.Queue, ahead: AheadBudget) -> None:
+        """Every task of one synthesis in one group: the first failure cancels the rest, and the
+        outcome (the end, or the one error the caller should see) goes to the outbox."""
+        out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz,
+                          self._stretch(req))
+        vocoder = VocodeSession(self.vocoder_pool, req.voice, req.downstream_id, req.trace_id)
+        in_vocoder = AheadBudget(_MAX_IN_VOCODER_S)
+        try:
+            await vocoder.open()
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._feed(req, texts, vocoder, tracker, outbox, group,
+                                             in_vocoder))
+                group.create_task(self._read_audio(vocoder, out, tracker, outbox, ahead,
+                                                   in_vocoder))
+            outbox.put_nowait(_END)
+        except grpc.aio.AioRpcError as exc:  # opening the Vocode stream
+            outbox.put_nowait(downstream_error("vocoder", vocoder.replica, exc))
+        except BaseExceptionGroup as failed:
+            outbox.put_nowait(_first_cause(failed))
+        except Exception as exc:  # noqa: BLE001 - e.g. no healthy vocoder replica
+            outbox.put_nowait(exc)
+        finally:
             vocoder.close()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- text side ----------------------------------------------------------------------------
-    async def _feed(self, req, texts, vocoder, tracker, outbox, tasks, in_vocoder) -> None:
+    async def _feed(self, req, texts, vocoder, tracker, outbox, group, in_vocoder) -> None:
         """Segments in order: each one's speech tokens go to the vocoder as they arrive, while
         the audio in the making there is under its bound."""
-        try:
-            ready: asyncio.Queue = asyncio.Queue(maxsize=self.lookahead_segments)
-            awaiting_text = asyncio.Event()  # set while the caller has not sent the next text
+        ready: asyncio.Queue = asyncio.Queue(maxsize=self.lookahead_segments)
+        awaiting_text = asyncio.Event()  # set while the caller has not sent the next text
 
-            async def next_text(it):
-                awaiting_text.set()
-                try:
-                    return await it.__anext__()
-                finally:
-                    awaiting_text.clear()
+        async def next_text(it):
+            awaiting_text.set()
+            try:
+                return await it.__anext__()
+            finally:
+                awaiting_text.clear()
 
-            async def produce() -> None:
-                frontend = self.frontends[req.voice.name]
-                index = 0
-                it = texts.__aiter__()
-                try:
-                    while True:
-                        try:
-                            text = await next_text(it)
-                        except StopAsyncIteration:
-                            break
-                        started = time.perf_counter()
-                        segments = await asyncio.to_thread(self._prepare, frontend, text, req)
-                        tracker.frontend_ms += 1e3 * (time.perf_counter() - started)
-                        for seg in segments:
-                            await ready.put(seg)  # at most lookahead_segments wait ahead
-                            seg.task = asyncio.create_task(self._generate(req, seg, tracker, index))
-                            tasks.append(seg.task)
-                            index += 1
-                    await ready.put(None)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - e.g. bad input in a streamed request
-                    await ready.put(exc)
-
-            producer = asyncio.create_task(produce())
-            tasks.append(producer)
-            lo = req.voice.speech_token_range[0]
-            ms_per_token = 1e3 * req.voice.samples_per_token / req.voice.sample_rate / self._stretch(req)
-            s_per_token = req.voice.samples_per_token / req.voice.sample_rate
+        async def produce() -> None:
+            frontend = self.frontends[req.voice.name]
             index = 0
-            while (seg := await ready.get()) is not None:
-                if isinstance(seg, BaseException):
-                    raise seg
-                base_tokens = tracker.num_speech_tokens
-                while True:
-                    await in_vocoder.room()  # the tokens wait here, coalescing, meanwhile
-                    ids = await _coalesced(seg.tokens)
-                    if ids is None:
-                        break
-                    if isinstance(ids, BaseException):
-                        raise ids
-                    tracker.num_speech_tokens += len(ids)
-                    in_vocoder.add(len(ids) * s_per_token)
-                    await vocoder.write(vocoder_pb2.VocodeRequest(
-                        tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])))
-                if seg.plan is not None:
-                    outbox.put_nowait(seg.word_timings(index, base_tokens, ms_per_token))
-                index += 1
-                if ready.empty() and awaiting_text.is_set() and tracker.num_speech_tokens:
-                    # The caller is still writing: let the vocoder finish this sentence now
-                    # rather than hold its tail back until more text arrives.
-                    await vocoder.write(vocoder_pb2.VocodeRequest(flush=True))
-            await producer
-            if tracker.num_segments == 0:
-                raise InvalidArgument("text: nothing to speak after normalisation (only "
-                                      "punctuation or symbols)")
-            if tracker.num_speech_tokens == 0:
-                raise StatusError("the speech model produced no speech tokens for this text",
-                                  grpc.StatusCode.INTERNAL)
+            it = texts.__aiter__()
+            while True:
+                try:
+                    text = await next_text(it)
+                except StopAsyncIteration:
+                    break
+                started = time.perf_counter()
+                segments = await asyncio.to_thread(self._prepare, frontend, text, req)
+                tracker.frontend_ms += 1e3 * (time.perf_counter() - started)
+                for seg in segments:
+                    await ready.put(seg)  # at most lookahead_segments wait ahead
+                    group.create_task(self._generate(req, seg, tracker, index))
+                    index += 1
+            await ready.put(None)
+
+        group.create_task(produce())
+        lo = req.voice.speech_token_range[0]
+        ms_per_token = 1e3 * req.voice.samples_per_token / req.voice.sample_rate / self._stretch(req)
+        s_per_token = req.voice.samples_per_token / req.voice.sample_rate
+        index = 0
+        while (seg := await ready.get()) is not None:
+            base_tokens = tracker.num_speech_tokens
+            while True:
+                await in_vocoder.room()  # the tokens wait here, coalescing, meanwhile
+                ids = await _coalesced(seg.tokens)
+                if ids is None:
+                    break
+                tracker.num_speech_tokens += len(ids)
+                in_vocoder.add(len(ids) * s_per_token)
+                await self._to_vocoder(vocoder, vocoder_pb2.VocodeRequest(
+                    tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])))
+            if seg.plan is not None:
+                outbox.put_nowait(seg.word_timings(index, base_tokens, ms_per_token))
+            index += 1
+            if ready.empty() and awaiting_text.is_set() and tracker.num_speech_tokens:
+                # The caller is still writing: let the vocoder finish this sentence now
+                # rather than hold its tail back until more text arrives.
+                await self._to_vocoder(vocoder, vocoder_pb2.VocodeRequest(flush=True))
+        if tracker.num_segments == 0:
+            raise InvalidArgument("text: nothing to speak after normalisation (only "
+                                  "punctuation or symbols)")
+        if tracker.num_speech_tokens == 0:
+            raise StatusError("the speech model produced no speech tokens for this text",
+                              grpc.StatusCode.INTERNAL)
+        try:
             await vocoder.end()
-        except asyncio.CancelledError:
-            raise
         except grpc.aio.AioRpcError as exc:
-            outbox.put_nowait(downstream_error("vocoder", vocoder.replica, exc))
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by synthesize()
-            outbox.put_nowait(exc)
+            raise downstream_error("vocoder", vocoder.replica, exc) from None
+
+    @staticmethod
+    async def _to_vocoder(vocoder: VocodeSession, message: vocoder_pb2.VocodeRequest) -> None:
+        try:
+            await vocoder.write(message)
+        except grpc.aio.AioRpcError as exc:
+            raise downstream_error("vocoder", vocoder.replica, exc) from None
 
     def _generate_request(self, req: SynthesisRequest, seg: _Segment, index: int):
         voice = req.voice
@@ -365,77 +372,78 @@ class Pipeline:
         """Stream one segment's tokens into seg.tokens; retried once if a replica is gone."""
         request = self._generate_request(req, seg, index)
         tried: tuple[Replica, ...] = ()
-        try:
-            while True:
-                replica = await pick_ready(self.text_pool) if not tried else self.text_pool.pick(tried)
-                received = False
-                try:
-                    with self.text_pool.lease(replica):
-                        stub = text_pb2_grpc.TextGenerationStub(replica.channel)
-                        sent = time.perf_counter()
-                        first_ms = None
-                        call = stub.Generate(request, metadata=child_traceparent(req.trace_id))
-                        try:
-                            async for resp in call:
-                                if not received:
-                                    first_ms = 1e3 * (time.perf_counter() - sent)
-                                    received = True
-                                seg.count(resp.token_ids, req.voice)
-                                ids = [t for t in resp.token_ids if req.voice.is_speech(t)]
-                                if ids:
-                                    await seg.tokens.put(ids)
-                                if resp.HasField("timings"):
-                                    tracker.text_hop.address = replica.address
-                                    tracker.on_segment_done(resp.timings, first_ms,
-                                                            1e3 * (time.perf_counter() - sent))
-                        finally:
-                            # a call left unread (cancelled, failed) would stay paused on
-                            # its replica, holding its cache: end it there
-                            call.cancel()
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE and not received:
-                        self.text_pool.mark_down(replica, exc.details() or "unavailable")
-                        tried += (replica,)
-                        continue
-                    raise downstream_error("text", replica, exc) from None
-            await seg.tokens.put(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the feeder in order
-            await seg.tokens.put(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+        while True:
+            replica = await pick_ready(self.text_pool) if not tried else self.text_pool.pick(tried)
+            received = False
+            try:
+                with self.text_pool.lease(replica):
+                    stub = text_pb2_grpc.TextGenerationStub(replica.channel)
+                    sent = time.perf_counter()
+                    first_ms = None
+                    call = stub.Generate(request, metadata=child_traceparent(req.trace_id))
+                    try:
+                        async for resp in call:
+                            if not received:
+                                first_ms = 1e3 * (time.perf_counter() - sent)
+                                received = True
+                            seg.count(resp.token_ids, req.voice)
+                            ids = [t for t in resp.token_ids if req.voice.is_speech(t)]
+                            if ids:
+                                await seg.tokens.put(ids)
+                            if resp.HasField("timings"):
+                                tracker.text_hop.address = replica.address
+                                tracker.on_segment_done(resp.timings, first_ms,
+                                                        1e3 * (time.perf_counter() - sent))
+                    finally:
+                        # a call left unread (cancelled, failed) would stay paused on
+                        # its replica, holding its cache: end it there
+                        call.cancel()
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and not received:
+                    self.text_pool.mark_down(replica, exc.details() or "unavailable")
+                    tried += (replica,)
+                    continue
+                raise downstream_error("text", replica, exc) from None
+        await seg.tokens.put(None)
 
     # -- vocoder side -------------------------------------------------------------------------
     async def _read_audio(self, vocoder: VocodeSession, out: AudioOutput, tracker: LatencyTracker,
                           outbox: asyncio.Queue, ahead: AheadBudget,
                           in_vocoder: AheadBudget) -> None:
-        try:
-            tracker.vocoder_hop.address = vocoder.replica.address
-            while True:
-                await ahead.room()  # the caller has taken enough of what was made
+        tracker.vocoder_hop.address = vocoder.replica.address
+        while True:
+            await ahead.room()  # the caller has taken enough of what was made
+            try:
                 resp = await vocoder.call.read()
-                if resp is grpc.aio.EOF:
-                    break
-                now = time.perf_counter()
-                if resp.HasField("summary"):
-                    tracker.vocoder_compute_ms = resp.summary.compute_ms
-                    continue
-                t = resp.timings
-                if 0 <= t.trigger_message < len(vocoder.sent_at):
-                    tracker.vocoder_hop.add(1e3 * (now - vocoder.sent_at[t.trigger_message]) - t.service_ms)
-                in_vocoder.taken(resp.audio.num_samples / vocoder.voice.sample_rate)
-                pcm = np.frombuffer(resp.audio.pcm, dtype="<i2").astype(np.float32) / 32767.0
-                pieces = out.push(pcm)
-                if pieces:
-                    ahead.add(sum(piece.duration_s for piece in pieces))
-                    outbox.put_nowait(pieces)
-            tail = out.finish()
-            if tail:
-                outbox.put_nowait(tail)
-            outbox.put_nowait(_END)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as exc:
-            outbox.put_nowait(downstream_error("vocoder", vocoder.replica, exc))
-        except BaseException as exc:  # noqa: BLE001
-            outbox.put_nowait(exc)
+            except grpc.aio.AioRpcError as exc:
+                raise downstream_error("vocoder", vocoder.replica, exc) from None
+            if resp is grpc.aio.EOF:
+                break
+            now = time.perf_counter()
+            if resp.HasField("summary"):
+                tracker.vocoder_compute_ms = resp.summary.compute_ms
+                continue
+            t = resp.timings
+            if 0 <= t.trigger_message < len(vocoder.sent_at):
+                tracker.vocoder_hop.add(1e3 * (now - vocoder.sent_at[t.trigger_message]) - t.service_ms)
+            in_vocoder.taken(resp.audio.num_samples / vocoder.voice.sample_rate)
+            pcm = np.frombuffer(resp.audio.pcm, dtype="<i2").astype(np.float32) / 32767.0
+            pieces = out.push(pcm)
+            if pieces:
+                ahead.add(sum(piece.duration_s for piece in pieces))
+                outbox.put_nowait(pieces)
+        tail = out.finish()
+        if tail:
+            outbox.put_nowait(tail)
+
+
+def _first_cause(group: BaseExceptionGroup) -> BaseException:
+    """The failure that ended a synthesis: the group's first exception other than a
+    cancellation (the tasks it cancelled), searched through nested groups."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            exc = _first_cause(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
