@@ -140,9 +140,10 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at
   if (C == 0 || num_seqs == 0) return out;
 
   const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const float* w_rows = w.const_data_ptr<float>();
   std::vector<float> taps_first(taps * C);
   for (int64_t c = 0; c < C; ++c)
-    for (int64_t j = 0; j < taps; ++j) taps_first[j * C + c] = w.const_data_ptr<float>()[c * taps + j];
+    for (int64_t j = 0; j < taps; ++j) taps_first[j * C + c] = w_rows[c * taps + j];
 
   auto solve = [&](auto tag) {
     using scalar_t = decltype(tag);

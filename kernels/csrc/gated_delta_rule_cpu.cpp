@@ -32,7 +32,8 @@ namespace {
 
 typedef float f32x16 __attribute__((vector_size(64)));  // split by the compiler where narrower
 
-constexpr int64_t kBlockColumns = 32;
+constexpr int64_t kBlockColumns = 32;    // prefill: 16 KiB of S per item stays in L1
+constexpr int64_t kDecodeColumns = 128;  // one token: whole rows, read in address order
 constexpr int64_t kMaxKeyDim = 1024;  // per-thread buffers of q and k rows widened to fp32
 
 template <typename V>
@@ -103,6 +104,7 @@ void run_block(const Problem<scalar_t>& p, int64_t h, int64_t t0, int64_t t1, fl
   for (int64_t t = t0; t < t1; ++t) {
     const float decay = std::exp(*p.g.at(t, h)), beta = *p.beta.at(t, h);
     float kq = 0.f;
+#pragma omp simd reduction(+ : kq)
     for (int64_t i = 0; i < dk; ++i) kq += k[i] * q[i];
     const scalar_t* v = p.v.at(t, h) + j0;
     scalar_t* o = p.out + (t * p.heads + h) * dv + j0;
@@ -141,8 +143,8 @@ void run_block(const Problem<scalar_t>& p, int64_t h, int64_t t0, int64_t t1, fl
 }
 
 template <typename scalar_t>
-void run(const Problem<scalar_t>& p, int64_t num_seqs) {
-  const int64_t blocks = (p.dv + kBlockColumns - 1) / kBlockColumns;
+void run(const Problem<scalar_t>& p, int64_t num_seqs, int64_t columns) {
+  const int64_t blocks = (p.dv + columns - 1) / columns;
   const int64_t per_seq = p.heads * blocks;
   // item = (head, column block) major, sequence minor: each thread's range holds every
   // sequence for some heads, so unequal lengths still split evenly
@@ -150,18 +152,20 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
     std::vector<float> buffers(4 * p.dk);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item % num_seqs, hb = item / num_seqs;
-      const int64_t h = hb / blocks, j0 = (hb % blocks) * kBlockColumns;
+      const int64_t h = hb / blocks, j0 = (hb % blocks) * columns;
       const int64_t t0 = p.starts[seq], t1 = p.starts[seq + 1];
       float* s = p.state + ((p.slots[seq] * p.heads + h) * p.dk) * p.dv + j0;
-      const int64_t width = std::min(kBlockColumns, p.dv - j0);
+      const int64_t width = std::min(columns, p.dv - j0);
       if (p.has_initial != nullptr && !p.has_initial[seq])
         for (int64_t i = 0; i < p.dk; ++i) std::fill_n(s + i * p.dv, width, 0.f);
       if (t1 == t0) continue;
       int64_t j = 0;
-      if (width == kBlockColumns) {
-        run_block<f32x16, 2>(p, h, t0, t1, s, j0, buffers.data());
+      if (width == kDecodeColumns) {
+        run_block<f32x16, kDecodeColumns / 16>(p, h, t0, t1, s, j0, buffers.data());
         continue;
       }
+      for (; j + kBlockColumns <= width; j += kBlockColumns)
+        run_block<f32x16, kBlockColumns / 16>(p, h, t0, t1, s + j, j0 + j, buffers.data());
       for (; j + 16 <= width; j += 16) run_block<f32x16, 1>(p, h, t0, t1, s + j, j0 + j, buffers.data());
       for (; j < width; ++j) run_block<float, 1>(p, h, t0, t1, s + j, j0 + j, buffers.data());
     }
@@ -243,7 +247,7 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
                         out.mutable_data_ptr<scalar_t>(), ssm_state.mutable_data_ptr<float>(), starts, slot,
                         has_initial_state ? has_initial_state->const_data_ptr<bool>() : nullptr,
                         heads, dk, dv, float(scale)};
-    run(p, num_seqs);
+    run(p, num_seqs, tokens == num_seqs ? kDecodeColumns : kBlockColumns);
   };
   if (dtype == at::kFloat)
     solve(float{});
