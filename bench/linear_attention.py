@@ -6,7 +6,12 @@ implementations run alternately on the same inputs and state pool, several round
 is reference time / compiled time (median over rounds). The pool holds the states of all nine
 linear-attention layers, so that a decode step reads its states from memory as the engine does.
 
+With `--engine`, the engine instead: three engines in one process, alternately on the same
+workload (`bench.engine`'s quick one by default): Qwen3.5 with the reference linear-attention ops,
+Qwen3.5 with the compiled ones, and Qwen3 (the same size, no linear attention).
+
     python -m bench.linear_attention [--threads 1] [--batch 16] [--prefill-tokens 2048] [--json]
+    python -m bench.linear_attention --engine [--full] [--threads 1] [--rounds 3] [--json]
 """
 from __future__ import annotations
 
@@ -52,6 +57,44 @@ def delta_inputs(tokens: int):
     return q, k, v, g, beta
 
 
+LINEAR_ATTENTION_OPS = ("causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule",
+                        "recurrent_gated_delta_rule")
+
+
+def engine_side_by_side(args) -> dict:
+    """Output tokens/s of the three engines, round-robin, and the ratios of their medians."""
+    import dataclasses
+
+    from bench.engine import build_engine, run_offline
+    from bench.workload import FULL, QUICK, make_workload, model_dir
+    from kernels import ops as ops_table
+
+    cpu = ops_table.get_ops("cpu")
+    reference_linear = dataclasses.replace(
+        cpu, **{name: getattr(ops_table.REFERENCE_OPS, name) for name in LINEAR_ATTENTION_OPS})
+    engines = {}
+    try:  # the model takes its ops table once, when it is built
+        ops_table._chosen["cpu"] = reference_linear
+        engines["qwen3_5_reference"] = build_engine(model_dir("qwen3_5"), "float32", 1.0)
+    finally:
+        ops_table._chosen["cpu"] = cpu
+    engines["qwen3_5_compiled"] = build_engine(model_dir("qwen3_5"), "float32", 1.0)
+    engines["qwen3"] = build_engine(model_dir("qwen3"), "float32", 1.0)
+    spec = FULL if args.full else QUICK
+    requests = make_workload(spec, seed=0)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for name, engine in engines.items():  # warm-up
+        run_offline(engine, requests[:4], "warm")
+    for r in range(args.rounds):
+        for name, engine in engines.items():
+            rates[name].append(run_offline(engine, requests, f"r{r}")["tokens_per_s"])
+            print(f"round {r} {name:18s} {rates[name][-1]:7.1f} tok/s", file=sys.stderr, flush=True)
+    median = {name: statistics.median(v) for name, v in rates.items()}
+    return {"workload": spec.describe(), "tokens_per_s": rates, "median_tokens_per_s": median,
+            "compiled_vs_reference": median["qwen3_5_compiled"] / median["qwen3_5_reference"],
+            "qwen3_5_vs_qwen3": median["qwen3_5_compiled"] / median["qwen3"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
@@ -59,9 +102,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of a prefill step (4 sequences)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--engine", action="store_true", help="whole engines instead of the kernels")
+    p.add_argument("--full", action="store_true", help="with --engine: bench.engine's full workload")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.engine:
+        report = {"threads": args.threads, **engine_side_by_side(args)}
+        with open("/proc/pressure/cpu") as f:
+            report["cpu_pressure_some_avg60"] = float(f.readline().split()[2].split("=")[1])
+        print(json.dumps(report) if args.json else report)
+        return report
     from kernels import conv, cpu_ext, delta_rule
 
     if cpu_ext.build() is not None:
