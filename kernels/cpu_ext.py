@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import activation, attention, norm, rotary as rope
+from kernels import activation, attention, conv, delta_rule, norm, rotary as rope
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "elementwise_cpu.cpp"]
+_SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "elementwise_cpu.cpp",
+                                       "gated_delta_rule_cpu.cpp", "causal_conv1d_cpu.cpp")]
 _HEADERS = [_CSRC / "cpu_math.h"]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -179,4 +180,90 @@ def rotary(
         k = k.contiguous()
     return torch.ops.splittts_kernels.rotary(
         positions.long().contiguous(), q, k, cos_sin_cache.contiguous(), rotary_dim
+    )
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    conv_state: Tensor,
+    *,
+    query_start_loc: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+) -> Tensor:
+    """`conv.causal_conv1d` in one pass over the tokens, the state slots updated in place."""
+    if not _compiled(x, conv_state) or x.dim() != 2 or not conv_state.is_contiguous():
+        return conv.causal_conv1d(x, weight, conv_state, query_start_loc=query_start_loc,
+                                  state_indices=state_indices, has_initial_state=has_initial_state)
+    return torch.ops.splittts_kernels.causal_conv1d(
+        _last_dim_contiguous(x), weight, conv_state, query_start_loc.long().contiguous(),
+        state_indices.long().contiguous(), has_initial_state.bool().contiguous(),
+    )
+
+
+def causal_conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor) -> Tensor:
+    """`conv.causal_conv1d_update` reading and writing the state slots in place."""
+    if not _compiled(x, conv_state) or x.dim() != 2 or not conv_state.is_contiguous():
+        return conv.causal_conv1d_update(x, weight, conv_state, state_indices)
+    return torch.ops.splittts_kernels.causal_conv1d(
+        _last_dim_contiguous(x), weight, conv_state, None, state_indices.long().contiguous(), None
+    )
+
+
+def _delta_rule_compiled(q: Tensor, k: Tensor, v: Tensor, ssm_state: Tensor) -> bool:
+    return (_compiled(q, k, v) and q.dim() == 3 and ssm_state.dtype == torch.float32
+            and ssm_state.device.type == "cpu" and ssm_state.is_contiguous())
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    ssm_state: Tensor,
+    query_start_loc: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    scale: float,
+) -> Tensor:
+    """`delta_rule.chunk_gated_delta_rule` as a recurrence over each sequence's tokens with its
+    state held in cache, read and written in its slot in place."""
+    if not _delta_rule_compiled(q, k, v, ssm_state):
+        return delta_rule.chunk_gated_delta_rule(
+            q, k, v, g, beta, ssm_state=ssm_state, query_start_loc=query_start_loc,
+            state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
+        )
+    return torch.ops.splittts_kernels.gated_delta_rule(
+        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), g.float(),
+        beta.float(), ssm_state, query_start_loc.long().contiguous(), state_indices.long().contiguous(),
+        has_initial_state.bool().contiguous(), scale,
+    )
+
+
+def recurrent_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    ssm_state: Tensor,
+    state_indices: Tensor,
+    scale: float,
+) -> Tensor:
+    """`delta_rule.recurrent_gated_delta_rule` reading and writing the state slots in place."""
+    if not _delta_rule_compiled(q, k, v, ssm_state):
+        return delta_rule.recurrent_gated_delta_rule(
+            q, k, v, g, beta, ssm_state=ssm_state, state_indices=state_indices, scale=scale
+        )
+    return torch.ops.splittts_kernels.gated_delta_rule(
+        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), g.float(),
+        beta.float(), ssm_state, None, state_indices.long().contiguous(), None, scale,
     )

@@ -51,7 +51,7 @@ _chosen: dict[str, Ops] = {}
 
 def cpu_ops() -> Ops:
     """The reference with oneDNN projections and, where they build, the compiled kernels (decode
-    attention, RMS norms, SiLU-and-multiply, rotary)."""
+    attention, RMS norms, SiLU-and-multiply, rotary, causal conv1d, gated delta rule)."""
     ops = REFERENCE_OPS
     if linear.onednn_available():
         ops = replace(ops, linear=linear.onednn_linear, pack_linear_weight=linear.pack_weight)
@@ -59,7 +59,11 @@ def cpu_ops() -> Ops:
         ops = replace(ops, paged_attention=cpu_ext.paged_attention,
                       paged_attention_decode=cpu_ext.paged_attention_decode,
                       rms_norm=cpu_ext.rms_norm, add_rms_norm=cpu_ext.add_rms_norm,
-                      silu_and_mul=cpu_ext.silu_and_mul, rotary=cpu_ext.rotary)
+                      silu_and_mul=cpu_ext.silu_and_mul, rotary=cpu_ext.rotary,
+                      causal_conv1d=cpu_ext.causal_conv1d,
+                      causal_conv1d_update=cpu_ext.causal_conv1d_update,
+                      chunk_gated_delta_rule=cpu_ext.chunk_gated_delta_rule,
+                      recurrent_gated_delta_rule=cpu_ext.recurrent_gated_delta_rule)
     return ops
 
 

@@ -27,7 +27,7 @@ def _seed() -> None:
 
 
 def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
-    from kernels import activation, cpu_ext, linear, norm, rotary
+    from kernels import activation, conv, cpu_ext, delta_rule, linear, norm, rotary
 
     cpu = kernels.get_ops("cpu")
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
@@ -37,7 +37,11 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
                            paged_attention=attention.paged_attention,
                            paged_attention_decode=attention.paged_attention_decode,
                            rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
-                           silu_and_mul=activation.silu_and_mul, rotary=rotary.rotary)
+                           silu_and_mul=activation.silu_and_mul, rotary=rotary.rotary,
+                           causal_conv1d=conv.causal_conv1d,
+                           causal_conv1d_update=conv.causal_conv1d_update,
+                           chunk_gated_delta_rule=delta_rule.chunk_gated_delta_rule,
+                           recurrent_gated_delta_rule=delta_rule.recurrent_gated_delta_rule)
     assert dataclasses.replace(cpu, **reference_parts) == REFERENCE_OPS
     assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (cpu_ext.build() is None)
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
@@ -305,6 +309,12 @@ def test_write_kv_then_attend_matches_dense_causal_attention() -> None:
 # --- causal conv1d ---------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["reference", "cpu"])
+def linear_ops(request) -> kernels.Ops:
+    """The linear-attention ops of the torch reference and of the CPU table (compiled where it builds)."""
+    return REFERENCE_OPS if request.param == "reference" else ops
+
+
 def naive_conv(x: torch.Tensor, weight: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     """SiLU(depthwise causal conv) of one sequence x `[L, C]` after left context `[C, K-1]`."""
     full = torch.cat((context.double(), x.double().T), dim=1)  # [C, K-1+L]
@@ -315,7 +325,7 @@ def naive_conv(x: torch.Tensor, weight: torch.Tensor, context: torch.Tensor) -> 
     return F.silu(y)
 
 
-def test_causal_conv1d_matches_oracle_and_updates_state() -> None:
+def test_causal_conv1d_matches_oracle_and_updates_state(linear_ops) -> None:
     channels, kernel = 6, 4
     lens = [5, 1, 9, 2]
     x, weight = torch.randn(sum(lens), channels), torch.randn(channels, kernel)
@@ -324,7 +334,7 @@ def test_causal_conv1d_matches_oracle_and_updates_state() -> None:
     slots = torch.tensor([6, 0, 3, 5])
     has_init = torch.tensor([True, True, False, True])
     qsl = torch.tensor([0, 5, 6, 15, 17], dtype=torch.int32)
-    y = ops.causal_conv1d(
+    y = linear_ops.causal_conv1d(
         x, weight, state, query_start_loc=qsl, state_indices=slots, has_initial_state=has_init
     )
     for b, slot in enumerate(slots.tolist()):
@@ -337,12 +347,12 @@ def test_causal_conv1d_matches_oracle_and_updates_state() -> None:
     assert torch.equal(state[untouched], before[untouched])
 
 
-def test_causal_conv1d_chunked_equals_one_shot() -> None:
+def test_causal_conv1d_chunked_equals_one_shot(linear_ops) -> None:
     channels, kernel = 5, 4
     a, b = torch.randn(11, channels), torch.randn(8, channels)  # two sequences
     weight = torch.randn(channels, kernel)
     one = torch.zeros(2, channels, kernel - 1)
-    y_one = ops.causal_conv1d(
+    y_one = linear_ops.causal_conv1d(
         torch.cat((a, b)), weight, one,
         query_start_loc=torch.tensor([0, 11, 19]), state_indices=torch.tensor([0, 1]),
         has_initial_state=torch.tensor([False, False]),
@@ -351,7 +361,7 @@ def test_causal_conv1d_chunked_equals_one_shot() -> None:
     ys = []
     for (lo_a, hi_a), (lo_b, hi_b), first in (((0, 2), (0, 6), True), ((2, 11), (6, 8), False)):
         ys.append(
-            ops.causal_conv1d(
+            linear_ops.causal_conv1d(
                 torch.cat((a[lo_a:hi_a], b[lo_b:hi_b])), weight, split,
                 query_start_loc=torch.tensor([0, hi_a - lo_a, hi_a - lo_a + hi_b - lo_b]),
                 state_indices=torch.tensor([0, 1]),
@@ -363,14 +373,14 @@ def test_causal_conv1d_chunked_equals_one_shot() -> None:
     assert torch.equal(split, one)
 
 
-def test_causal_conv1d_update_equals_one_token_prefill() -> None:
+def test_causal_conv1d_update_equals_one_token_prefill(linear_ops) -> None:
     channels, kernel = 7, 4
     x, weight = torch.randn(3, channels), torch.randn(channels, kernel)
     state = torch.randn(5, channels, kernel - 1)
     state_prefill = state.clone()
     slots = torch.tensor([4, 1, 2])
-    y_update = ops.causal_conv1d_update(x, weight, state, slots)
-    y_prefill = ops.causal_conv1d(
+    y_update = linear_ops.causal_conv1d_update(x, weight, state, slots)
+    y_prefill = linear_ops.causal_conv1d(
         x, weight, state_prefill,
         query_start_loc=torch.arange(4), state_indices=slots,
         has_initial_state=torch.ones(3, dtype=torch.bool),
@@ -404,7 +414,7 @@ def random_delta_inputs(num_tokens: int, heads: int = 2, dk: int = 16, dv: int =
     return q, k, v, g, beta
 
 
-def test_chunk_gated_delta_rule_matches_recurrence_for_packed_lengths() -> None:
+def test_chunk_gated_delta_rule_matches_recurrence_for_packed_lengths(linear_ops) -> None:
     lens = [1, 63, 64, 65, 200]
     q, k, v, g, beta = random_delta_inputs(sum(lens))
     pool = torch.randn(7, 2, 16, 8) * 0.5
@@ -412,7 +422,7 @@ def test_chunk_gated_delta_rule_matches_recurrence_for_packed_lengths() -> None:
     slots = torch.tensor([3, 0, 6, 1, 4])
     has_init = torch.tensor([True, False, True, True, False])
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    o = ops.chunk_gated_delta_rule(
+    o = linear_ops.chunk_gated_delta_rule(
         q, k, v, g, beta, ssm_state=pool, query_start_loc=qsl, state_indices=slots,
         has_initial_state=has_init, scale=0.25,
     )  # fmt: skip
@@ -426,18 +436,18 @@ def test_chunk_gated_delta_rule_matches_recurrence_for_packed_lengths() -> None:
     assert torch.equal(pool[[2, 5]], before[[2, 5]])
 
 
-def test_chunk_gated_delta_rule_split_across_calls_equals_one_call() -> None:
+def test_chunk_gated_delta_rule_split_across_calls_equals_one_call(linear_ops) -> None:
     q, k, v, g, beta = random_delta_inputs(150)
     one, split = torch.zeros(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
     common = dict(state_indices=torch.tensor([0]), scale=0.25)
-    o_one = ops.chunk_gated_delta_rule(
+    o_one = linear_ops.chunk_gated_delta_rule(
         q, k, v, g, beta, ssm_state=one, query_start_loc=torch.tensor([0, 150]),
         has_initial_state=torch.tensor([False]), **common,
     )  # fmt: skip
     parts = []
     for lo, hi, has_init in ((0, 70, False), (70, 150, True)):
         parts.append(
-            ops.chunk_gated_delta_rule(
+            linear_ops.chunk_gated_delta_rule(
                 q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], ssm_state=split,
                 query_start_loc=torch.tensor([0, hi - lo]),
                 has_initial_state=torch.tensor([has_init]), **common,
@@ -447,12 +457,12 @@ def test_chunk_gated_delta_rule_split_across_calls_equals_one_call() -> None:
     close(split, one, tol=1e-5)
 
 
-def test_recurrent_gated_delta_rule_matches_recurrence_and_chunk_form() -> None:
+def test_recurrent_gated_delta_rule_matches_recurrence_and_chunk_form(linear_ops) -> None:
     q, k, v, g, beta = random_delta_inputs(3)
     pool = torch.randn(5, 2, 16, 8)
     pool_chunk, before = pool.clone(), pool.clone()
     slots = torch.tensor([2, 4, 0])
-    o = ops.recurrent_gated_delta_rule(
+    o = linear_ops.recurrent_gated_delta_rule(
         q, k, v, g, beta, ssm_state=pool, state_indices=slots, scale=0.3
     )
     for b, slot in enumerate(slots.tolist()):
@@ -460,7 +470,7 @@ def test_recurrent_gated_delta_rule_matches_recurrence_and_chunk_form() -> None:
         o_ref, s_ref = naive_delta_rule(*token, before[slot], 0.3)
         close(o[b], o_ref[0])
         close(pool[slot], s_ref)
-    o_chunk = ops.chunk_gated_delta_rule(
+    o_chunk = linear_ops.chunk_gated_delta_rule(
         q, k, v, g, beta, ssm_state=pool_chunk, query_start_loc=torch.arange(4),
         state_indices=slots, has_initial_state=torch.ones(3, dtype=torch.bool), scale=0.3,
     )  # fmt: skip
@@ -468,10 +478,10 @@ def test_recurrent_gated_delta_rule_matches_recurrence_and_chunk_form() -> None:
     close(pool, pool_chunk, tol=1e-6)
 
 
-def test_delta_rule_keeps_input_dtype_and_fp32_state() -> None:
+def test_delta_rule_keeps_input_dtype_and_fp32_state(linear_ops) -> None:
     q, k, v, g, beta = (t.bfloat16() for t in random_delta_inputs(70))
     pool = torch.zeros(1, 2, 16, 8)
-    o = ops.chunk_gated_delta_rule(
+    o = linear_ops.chunk_gated_delta_rule(
         q, k, v, g, beta, ssm_state=pool, query_start_loc=torch.tensor([0, 70]),
         state_indices=torch.tensor([0]), has_initial_state=torch.tensor([False]), scale=0.25,
     )  # fmt: skip

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 
 namespace splittts {
@@ -25,6 +26,13 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.f;
   p = p * r + 1.f;
   return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
+}
+
+// silu(x) = x * sigmoid(x), the sigmoid from e^-|x| so that the exponential never overflows.
+inline float silu(float x) {
+  const float t = exp_nonpositive(-std::fabs(x));
+  const float sigmoid = (x >= 0.f ? 1.f : t) / (1.f + t);
+  return x * sigmoid;
 }
 
 }  // namespace splittts

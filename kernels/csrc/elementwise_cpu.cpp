@@ -113,13 +113,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, new_residual};
 }
 
-// silu(g) = g * sigmoid(g), sigmoid from e^-|g| so that the exponential never overflows.
-inline float silu(float g) {
-  const float t = splittts::exp_nonpositive(-std::fabs(g));
-  const float sigmoid = (g >= 0.f ? 1.f : t) / (1.f + t);
-  return g * sigmoid;
-}
-
 template <typename scalar_t>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t width = out.size(-1), rows = out.numel() / width;
@@ -131,7 +124,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const scalar_t* up = gate + width;
       scalar_t* dst = o + r * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) dst[i] = scalar_t(silu(to_float(gate[i])) * to_float(up[i]));
+      for (int64_t i = 0; i < width; ++i) dst[i] = scalar_t(splittts::silu(to_float(gate[i])) * to_float(up[i]));
     }
   });
 }
