@@ -8,8 +8,7 @@ import time
 
 import grpc
 
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import servicekit  # noqa: F401
-
 from orchestrator.voices import VOICES_DIR
 
 # --format names and file extensions (raw G.711 takes sox's .ul / .al as well)
@@ -87,8 +86,12 @@ def format_for(args) -> str:
 
 def check_audio_flags(args) -> None:
     """The audio flags against the API's rules, so a mistake costs no service start-up."""
-    from orchestrator.audio import (MAX_SAMPLE_RATE, MAX_SPEAKING_RATE, MIN_SAMPLE_RATE,
-                                    MIN_SPEAKING_RATE)
+    from orchestrator.audio import (
+        MAX_SAMPLE_RATE,
+        MAX_SPEAKING_RATE,
+        MIN_SAMPLE_RATE,
+        MIN_SPEAKING_RATE,
+    )
 
     rate = args.sample_rate
     if rate is not None and rate != 0 and not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
@@ -207,7 +210,6 @@ def call_metadata(args) -> tuple:
 
 
 def cmd_synthesize(args) -> int:
-    import grpc
 
     from splittts.tts.v1 import tts_pb2_grpc
 
@@ -255,10 +257,8 @@ def cmd_synthesize(args) -> int:
 
 
 def cmd_voices(args) -> int:
-    import grpc
 
-    from splittts.tts.v1 import tts_pb2 as pb
-    from splittts.tts.v1 import tts_pb2_grpc
+    from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
     if not args.server:  # no need to start services to read manifests
         from orchestrator.voices import discover
@@ -272,8 +272,9 @@ def cmd_voices(args) -> int:
         voices = [(v.name, v.language_codes, v.sample_rate_hz, v.description, v.is_default)
                   for v in reply.voices]
     if args.json:
-        print(json.dumps([{"name": n, "languages": list(l), "sample_rate_hz": r, "description": d,
-                           "default": dflt} for n, l, r, d, dflt in voices]))
+        print(json.dumps([{"name": n, "languages": list(langs), "sample_rate_hz": r,
+                           "description": d, "default": dflt}
+                          for n, langs, r, d, dflt in voices]))
     else:
         for name, langs, rate, desc, dflt in voices:
             print(f"{name}{' (default)' if dflt else ''}\t{', '.join(langs)}\t{rate} Hz\t{desc}")

@@ -148,7 +148,7 @@ class LocalDeployment:
         return [*own, "--tls-ca", str(d / "ca.pem"), "--tls-client-cert", str(d / f"{name}.pem"),
                 "--tls-client-key", str(d / f"{name}-key.pem")]
 
-    def start(self) -> "LocalDeployment":
+    def start(self) -> LocalDeployment:
         if self.tls_dir is not None:
             from servicekit.certs import make_all
 
@@ -207,7 +207,7 @@ class LocalDeployment:
                 p.proc.wait()
         self.processes.clear()
 
-    def __enter__(self) -> "LocalDeployment":
+    def __enter__(self) -> LocalDeployment:
         return self.start()
 
     def __exit__(self, *exc) -> None:

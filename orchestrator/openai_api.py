@@ -17,14 +17,13 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 from aiohttp import web
 
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 import numpy as np
@@ -149,7 +149,7 @@ async def _coalesced(queue: asyncio.Queue):
     if not isinstance(item, list):
         return item
     item = list(item)
-    while not queue.empty() and isinstance(queue._queue[0], list):  # noqa: SLF001 - peek
+    while not queue.empty() and isinstance(queue._queue[0], list):  # peek
         item.extend(queue.get_nowait())
     return item
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from orchestrator import metrics
 from orchestrator.audio import resolve_audio_format
@@ -15,8 +15,7 @@ from orchestrator.pipeline import Pipeline, SynthesisRequest
 from orchestrator.voices import VoiceSpec
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted, StatusError
 from servicekit.logs import log_event, trace_id
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
 

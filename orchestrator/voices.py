@@ -30,7 +30,7 @@ class VoiceSpec:
     phoneme_sync: dict | None = None  # orchestrator.phoneme_sync: the LM writes phonemes back
 
     @classmethod
-    def load(cls, directory: str | Path) -> "VoiceSpec":
+    def load(cls, directory: str | Path) -> VoiceSpec:
         directory = Path(directory)
         path = directory / "voice.json"
         try:

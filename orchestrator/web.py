@@ -30,8 +30,8 @@ import logging
 import ssl
 import struct
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 from urllib.parse import urlsplit
 
 import grpc
@@ -41,10 +41,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.auth import COOKIE, check_bearer, token_interceptors
 from orchestrator.openai_api import ApiError, OpenAISpeech
-from servicekit.tls import ClientTLS, ServerTLS
 from orchestrator.web_download import encode as encode_download
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from servicekit.tls import ClientTLS, ServerTLS
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from servicekit.errors import ServiceFailed, StartupError
 from servicekit.logs import configure_logging

@@ -11,8 +11,9 @@ import secrets
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -186,7 +187,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
         s.add_to_server(s.servicer, server)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    record_health({name: False for name in ["", *names]})
+    record_health(dict.fromkeys(["", *names], False))
     if reflection_on:
         reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -259,7 +260,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     readiness.cancel()
     await asyncio.gather(readiness, return_exceptions=True)
     await health_servicer.enter_graceful_shutdown()
-    record_health({name: False for name in state})
+    record_health(dict.fromkeys(state, False))
     log.info("draining for up to %.1f s", grace_s)
     await server.stop(grace_s)
     if telemetry is not None:

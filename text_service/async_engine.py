@@ -7,8 +7,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from text_service.engine import LLMEngine
 from text_service.errors import CapacityError, EngineDeadError
@@ -110,7 +110,7 @@ class AsyncEngine:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Admit a request (already validated); raises CapacityError past `max_pending`."""
         if self.error is not None:
-            raise EngineDeadError()
+            raise EngineDeadError
         if len(self._streams) >= self.max_pending:
             raise CapacityError(f"{len(self._streams)} requests in flight (max_pending="
                                 f"{self.max_pending}); retry later")
@@ -208,7 +208,7 @@ class AsyncEngine:
                         if self._backlog[rid] >= self.max_backlog:
                             self.engine.pause_request(rid)
                 self.stats = self.engine.stats()
-        except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
+        except BaseException as exc:  # fail every waiter instead of hanging them
             log.exception("engine loop crashed; failing every request")
             self._running.clear()
             self._backlog.clear()

@@ -1,6 +1,6 @@
 """Prometheus metrics of the text service, named in vLLM's style."""
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 

@@ -9,8 +9,7 @@ import uuid
 
 from servicekit.errors import InvalidArgument, ResourceExhausted
 from servicekit.logs import log_event, trace_id
-from splittts.text.v1 import text_pb2 as pb
-from splittts.text.v1 import text_pb2_grpc
+from splittts.text.v1 import text_pb2 as pb, text_pb2_grpc
 from text_service import metrics
 from text_service.async_engine import AsyncEngine
 from text_service.constraints import PhonemeSync
@@ -175,7 +174,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             outcome = ("deadline" if remaining is not None and remaining < _DEADLINE_SLACK_S
                        else "cancelled")
             raise
-        except Exception as exc:  # noqa: BLE001 - counted, then mapped to a status by servicekit
+        except Exception as exc:  # counted, then mapped to a status by servicekit
             outcome = "rejected" if isinstance(exc, CapacityError) else "failed"
             raise
         finally:

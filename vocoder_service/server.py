@@ -13,8 +13,7 @@ import numpy as np
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted
 from servicekit.flow import AheadBudget
 from servicekit.logs import log_event, trace_id
-from splittts.vocoder.v1 import vocoder_pb2 as pb
-from splittts.vocoder.v1 import vocoder_pb2_grpc
+from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from vocoder_service import metrics
 from vocoder_service.backends import Backend
 from vocoder_service.batcher import Batcher

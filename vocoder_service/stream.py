@@ -72,7 +72,7 @@ class ChunkPolicy:
 class Job:
     """One window of mel to vocode for one stream."""
 
-    stream: "VocoderStream"
+    stream: VocoderStream
     index: int
     mel: np.ndarray  # [num_mels, window_frames] float32
     window_start: int  # absolute frame of mel[:, 0]
