@@ -16,6 +16,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import servicekit  # noqa: F401
 from orchestrator.voices import VOICES_DIR
@@ -108,7 +109,8 @@ def build_request(args, text: str):
     from splittts.tts.v1 import tts_pb2 as pb
 
     req = pb.SynthesizeRequest(text=text, voice=args.voice or "", language_code=args.language or "")
-    req.audio_config.encoding = pb.AudioEncoding.Value(format_for(args))
+    # protoc's stubs type Value() as a plain int
+    req.audio_config.encoding = pb.AudioEncoding.Value(format_for(args))  # type: ignore[assignment]
     req.audio_config.sample_rate_hz = args.sample_rate or 0
     req.audio_config.speaking_rate = args.speaking_rate or 0.0
     if args.seed is not None:
@@ -146,7 +148,9 @@ class AudioSink:
         self.encoding, self.num_samples = encoding, 0
         self.head = b""  # the header's bytes, for an output that cannot be read back
         if output == "-":
-            self.path, self.part, self.file = None, None, sys.stdout.buffer
+            self.path: Path | None = None
+            self.part: Path | None = None
+            self.file: BinaryIO = sys.stdout.buffer
         else:
             self.path = Path(output)
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +178,7 @@ class AudioSink:
             from orchestrator.encoders import fill_in_sizes
 
             fill_in_sizes(self.file, self.start, self.encoding, self.num_samples, self.head)
-        if self.path is None:
+        if self.path is None or self.part is None:
             self.file.flush()
             return
         self.file.close()

@@ -46,7 +46,7 @@ class Service:
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     status = as_status_error(exc)
     if status is not None:
-        trailers = ()
+        trailers: tuple[tuple[str, str], ...] = ()
         if status.retry_after_s is not None:
             trailers = (("grpc-retry-pushback-ms", str(round(1e3 * status.retry_after_s))),)
         await context.abort(status.code, str(status), trailing_metadata=trailers)
@@ -171,9 +171,10 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     error guard (e.g. authentication). `health_port` (0 picks one) serves grpc.health.v1 alone
     in plaintext, for probes that cannot speak TLS; the serving line reports it.
     """
-    with_metrics = metrics_port is not None and metrics_port >= 0
+    if metrics_port is not None and metrics_port < 0:
+        metrics_port = None
     _check_port_free(host, port, "gRPC port")
-    if with_metrics:
+    if metrics_port is not None:
         _check_port_free(host, metrics_port, "metrics port")
     server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -211,7 +212,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     await server.start()
 
     bound_metrics, telemetry = None, None
-    if with_metrics:
+    if metrics_port is not None:
         try:
             httpd, _ = start_http_server(metrics_port, addr=host,
                                          certfile=tls.cert_path if tls else None,

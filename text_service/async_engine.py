@@ -154,6 +154,7 @@ class AsyncEngine:
 
     # -- engine thread ----------------------------------------------------------------------
     def _deliver(self, stream: RequestStream, item) -> None:
+        assert self._loop is not None, "start() first"
         self._loop.call_soon_threadsafe(self._push, stream, item)
 
     def _apply_commands(self) -> None:
@@ -195,7 +196,7 @@ class AsyncEngine:
                 now = time.perf_counter()
                 for out in outputs:
                     if out.new_token_ids or out.finished:
-                        rid = out.seq.seq_id
+                        rid = str(out.seq.seq_id)
                         stream = self._running.pop(rid) if out.finished else self._running.get(rid)
                         if stream is None:
                             continue
@@ -213,6 +214,7 @@ class AsyncEngine:
             self._running.clear()
             self._backlog.clear()
             try:
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._fail_all, exc)
             except RuntimeError:  # the event loop is already closed
                 pass

@@ -33,7 +33,7 @@ def apply_allowed_range(logits: Tensor, lo: int, hi: int, exempt_ids: tuple[int,
     kept_exempt = logits[:, exempt].clone() if exempt else None
     logits.fill_(NEG_INF)
     logits[:, lo:hi + 1] = keep
-    if exempt:
+    if kept_exempt is not None:
         logits[:, exempt] = kept_exempt
 
 
@@ -259,6 +259,7 @@ class Sampler:
         host = np.empty((5, len(rows)), dtype=np.int64)  # lo, hi, next id, may, must
         for r, i in enumerate(rows):
             c, state = params[i].phoneme_sync, states[i]
+            assert c is not None and state is not None  # rows were chosen for having both
             may, must = state.bounds(c)
             host[:, r] = (*c.speech_token_range, state.next_id(c), may, must)
         shared = bool((host[0] == host[0, 0]).all() and (host[1] == host[1, 0]).all())

@@ -20,7 +20,9 @@ class NvmlSource:
 
     def __init__(self, nvml: Any = None):
         if nvml is None:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         self.nvml = nvml
         nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
