@@ -1,10 +1,11 @@
 # Two commands: `make demo` and `make test`. Each sets up what it needs (venv, generated gRPC
 # code, system packages) and skips what is already there.
 PY      := .venv/bin/python
+BIN     := .venv/bin
 PROTOS  := $(shell find protos -name '*.proto')
 SYSPKGS := espeak-ng flite chromium g++ ffmpeg prometheus
 
-.PHONY: demo test setup sysdeps protos clean
+.PHONY: demo test check setup sysdeps protos clean
 
 DEMO_TEXT ?= Hello, this is split-tts speaking. The weather today is cool and bright.
 
@@ -14,8 +15,15 @@ DEMO_TEXT ?= Hello, this is split-tts speaking. The weather today is cool and br
 demo: setup sysdeps
 	$(PY) -m orchestrator.cli synthesize "$(DEMO_TEXT)" -o out/demo.wav --seed 0
 
-test: setup sysdeps
+test: setup sysdeps check
 	$(PY) -m pytest -q
+
+# Lint, format, types and the import layering (pyproject.toml), before the slow tests.
+check: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 setup: .venv/.installed splittts/.generated
 
@@ -48,4 +56,4 @@ sysdeps:
 	fi
 
 clean:
-	rm -rf splittts out .pytest_cache
+	rm -rf splittts out .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -18,8 +18,19 @@ import warnings
 
 import torch
 
-from bench.workload import (FULL, MODEL_KINDS, QUICK, Request, WorkloadSpec, make_workload,
-                            model_dir, output_tokens, percentile, poisson_arrivals, spread_subset)
+from bench.workload import (
+    FULL,
+    MODEL_KINDS,
+    QUICK,
+    Request,
+    WorkloadSpec,
+    make_workload,
+    model_dir,
+    output_tokens,
+    percentile,
+    poisson_arrivals,
+    spread_subset,
+)
 
 THREADS = 2  # torch threads for both sides
 STATIC_BATCH = 16

@@ -83,7 +83,7 @@ def engine_side_by_side(args) -> dict:
     spec = FULL if args.full else QUICK
     requests = make_workload(spec, seed=0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
-    for name, engine in engines.items():  # warm-up
+    for engine in engines.values():  # warm-up
         run_offline(engine, requests[:4], "warm")
     for r in range(args.rounds):
         for name, engine in engines.items():

@@ -117,7 +117,7 @@ def run_vllm(venv: Path, model: Path, dtype: str, workload: Path, workdir: Path,
         tail = logfile.read_text()[-3000:]
         raise RuntimeError(f"vLLM ({mode}) exited with {rc}; log tail:\n{tail}")
     res = json.loads(out.read_text())
-    res["env"] = {k: v for k, v in extra_env.items()} | {"VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}
+    res["env"] = dict(extra_env) | {"VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}
     return res
 
 

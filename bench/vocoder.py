@@ -30,14 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from servicekit.memory import retain_freed_memory  # noqa: E402
-from vocoder_service.backends import Backend, OnnxBackend, TorchBackend  # noqa: E402
-from vocoder_service.checkpoint import resolve_checkpoint  # noqa: E402
-from vocoder_service.mel import MelSpectrogram  # noqa: E402
-from vocoder_service.stream import ChunkPolicy, VocoderStream, vocode_jobs  # noqa: E402
+from servicekit.memory import retain_freed_memory
+from vocoder_service.backends import Backend, OnnxBackend, TorchBackend
+from vocoder_service.checkpoint import resolve_checkpoint
+from vocoder_service.mel import MelSpectrogram
+from vocoder_service.stream import ChunkPolicy, VocoderStream, vocode_jobs
 
 GOALS = {"ort_vs_torch": (">=", 1.5), "stream_overhead": ("<=", 1.3), "first_audio_ms": ("<=", 100.0)}
 TEXT = ("Streaming speech synthesis sends the first audio while the rest of the sentence is still "

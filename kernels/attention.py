@@ -1,6 +1,6 @@
 """Paged KV cache: write new keys/values, and attend over cached prefix + new tokens."""
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -85,7 +85,7 @@ def build() -> str | None:
             build_directory=str(_build_directory(name)),
             is_python_module=False,
         )
-    except Exception as exc:  # any failure to build or load means: keep the reference
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: keep the reference
         logger.warning("compiled CPU kernels unavailable, using the torch reference: %s", exc)
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -1,8 +1,8 @@
 """The `Ops` table and its per-device choice: pure-torch reference on cuda, the reference with
 oneDNN projections and compiled kernels (kernels/csrc) on cpu, torch_npu on npu."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 

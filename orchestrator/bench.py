@@ -8,8 +8,7 @@ import time
 
 import grpc
 
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -39,6 +38,8 @@ def one_request(stub, text: str, voice: str, seed: int) -> pb.LatencyReport:
     for resp in stub.Synthesize(req, timeout=600):
         if resp.HasField("report"):
             report = resp.report
+    if report is None:
+        raise RuntimeError("the stream ended without its LatencyReport")
     return report
 
 
@@ -76,7 +77,7 @@ def run_level(address: str, concurrency: int, requests: int, voice: str = "",
     wall = time.perf_counter() - started
     ttfa = [r.ttfa_ms for r in reports]
     audio = sum(r.audio_s for r in reports)
-    hops = {h.service: [] for r in reports for h in r.hops}
+    hops: dict[str, list[float]] = {h.service: [] for r in reports for h in r.hops}
     for r in reports:
         for h in r.hops:
             hops[h.service].append(h.mean_overhead_ms)

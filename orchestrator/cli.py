@@ -16,9 +16,9 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import servicekit  # noqa: F401
-
 from orchestrator.voices import VOICES_DIR
 
 # --format names and file extensions (raw G.711 takes sox's .ul / .al as well)
@@ -87,8 +87,12 @@ def format_for(args) -> str:
 
 def check_audio_flags(args) -> None:
     """The audio flags against the API's rules, so a mistake costs no service start-up."""
-    from orchestrator.audio import (MAX_SAMPLE_RATE, MAX_SPEAKING_RATE, MIN_SAMPLE_RATE,
-                                    MIN_SPEAKING_RATE)
+    from orchestrator.audio import (
+        MAX_SAMPLE_RATE,
+        MAX_SPEAKING_RATE,
+        MIN_SAMPLE_RATE,
+        MIN_SPEAKING_RATE,
+    )
 
     rate = args.sample_rate
     if rate is not None and rate != 0 and not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
@@ -105,7 +109,8 @@ def build_request(args, text: str):
     from splittts.tts.v1 import tts_pb2 as pb
 
     req = pb.SynthesizeRequest(text=text, voice=args.voice or "", language_code=args.language or "")
-    req.audio_config.encoding = pb.AudioEncoding.Value(format_for(args))
+    # protoc's stubs type Value() as a plain int
+    req.audio_config.encoding = pb.AudioEncoding.Value(format_for(args))  # type: ignore[assignment]
     req.audio_config.sample_rate_hz = args.sample_rate or 0
     req.audio_config.speaking_rate = args.speaking_rate or 0.0
     if args.seed is not None:
@@ -143,7 +148,9 @@ class AudioSink:
         self.encoding, self.num_samples = encoding, 0
         self.head = b""  # the header's bytes, for an output that cannot be read back
         if output == "-":
-            self.path, self.part, self.file = None, None, sys.stdout.buffer
+            self.path: Path | None = None
+            self.part: Path | None = None
+            self.file: BinaryIO = sys.stdout.buffer
         else:
             self.path = Path(output)
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +178,7 @@ class AudioSink:
             from orchestrator.encoders import fill_in_sizes
 
             fill_in_sizes(self.file, self.start, self.encoding, self.num_samples, self.head)
-        if self.path is None:
+        if self.path is None or self.part is None:
             self.file.flush()
             return
         self.file.close()
@@ -207,7 +214,6 @@ def call_metadata(args) -> tuple:
 
 
 def cmd_synthesize(args) -> int:
-    import grpc
 
     from splittts.tts.v1 import tts_pb2_grpc
 
@@ -255,10 +261,8 @@ def cmd_synthesize(args) -> int:
 
 
 def cmd_voices(args) -> int:
-    import grpc
 
-    from splittts.tts.v1 import tts_pb2 as pb
-    from splittts.tts.v1 import tts_pb2_grpc
+    from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
     if not args.server:  # no need to start services to read manifests
         from orchestrator.voices import discover
@@ -272,8 +276,9 @@ def cmd_voices(args) -> int:
         voices = [(v.name, v.language_codes, v.sample_rate_hz, v.description, v.is_default)
                   for v in reply.voices]
     if args.json:
-        print(json.dumps([{"name": n, "languages": list(l), "sample_rate_hz": r, "description": d,
-                           "default": dflt} for n, l, r, d, dflt in voices]))
+        print(json.dumps([{"name": n, "languages": list(langs), "sample_rate_hz": r,
+                           "description": d, "default": dflt}
+                          for n, langs, r, d, dflt in voices]))
     else:
         for name, langs, rate, desc, dflt in voices:
             print(f"{name}{' (default)' if dflt else ''}\t{', '.join(langs)}\t{rate} Hz\t{desc}")

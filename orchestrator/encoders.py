@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 from functools import lru_cache
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -152,7 +152,8 @@ class AvEncoder:
         self.container_format, self.codec = self.FORMATS[encoding]
         self.encoding, self.sample_rate = encoding, sample_rate
         self._sink = _Sink()
-        self._container = self._stream = None
+        self._container: Any = None  # av's output container and audio stream, opened lazily
+        self._stream: Any = None
         self._pts = 0
 
     def _open(self) -> None:

@@ -67,7 +67,7 @@ class LatencyTracker:
     def on_audio_sent(self, duration_s: float, now: float | None = None) -> None:
         """Count a chunk leaving us; an underrun is a chunk later than the audio already out."""
         now = time.perf_counter() if now is None else now
-        if self.first_audio is None:
+        if self.first_audio is None or self.last_audio is None:
             self.first_audio = now
         else:
             played_until = self.first_audio + self.audio_s

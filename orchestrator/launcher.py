@@ -72,10 +72,12 @@ def start_service(name: str, module: str, args: list[str], *, port: int = 0, met
                             text=True, env={**os.environ, **(env or {})},
                             start_new_session=True,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None  # both piped
     tail: list[str] = []
 
     def drain_stderr() -> None:
-        for line in proc.stderr:
+        for line in stderr:
             tail.append(line)
             del tail[:-50]
             if not quiet:
@@ -85,13 +87,13 @@ def start_service(name: str, module: str, args: list[str], *, port: int = 0, met
     drainer.start()
     deadline = time.monotonic() + timeout_s
     hung = False
-    for line in proc.stdout:
+    for line in stdout:
         try:
             event = json.loads(line)
         except ValueError:
             continue
         if event.get("event") == "serving":
-            threading.Thread(target=lambda: [*proc.stdout], daemon=True).start()
+            threading.Thread(target=lambda: [*stdout], daemon=True).start()
             return Process(name, proc, event["port"], event.get("metrics_port"), tail,
                            event.get("http_port"))
         if time.monotonic() > deadline:
@@ -148,7 +150,7 @@ class LocalDeployment:
         return [*own, "--tls-ca", str(d / "ca.pem"), "--tls-client-cert", str(d / f"{name}.pem"),
                 "--tls-client-key", str(d / f"{name}-key.pem")]
 
-    def start(self) -> "LocalDeployment":
+    def start(self) -> LocalDeployment:
         if self.tls_dir is not None:
             from servicekit.certs import make_all
 
@@ -207,7 +209,7 @@ class LocalDeployment:
                 p.proc.wait()
         self.processes.clear()
 
-    def __enter__(self) -> "LocalDeployment":
+    def __enter__(self) -> LocalDeployment:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -17,14 +17,13 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 from aiohttp import web
 
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
     param = GRPC_PARAMS.get(field)
     if param and param != field:
         details = param + details[len(field):]
-    code = {"voice": "voice_not_found"}.get(param) if exc.code() == grpc.StatusCode.NOT_FOUND \
+    code = {"voice": "voice_not_found"}.get(param or "") if exc.code() == grpc.StatusCode.NOT_FOUND \
         else exc.code().name.lower()
     return ApiError(HTTP_STATUS.get(exc.code(), 500), details, param, code)
 
@@ -145,6 +144,7 @@ def parse_speech_request(body: object) -> SpeechRequest:
     if body.get("stream_format", "audio") != "audio":
         raise ApiError(400, f"stream_format: only 'audio' is supported (got "
                        f"{body['stream_format']!r})", "stream_format", "invalid_value")
+    assert model is not None and text is not None  # required fields
     return SpeechRequest(model, text, voice, fmt, float(speed))
 
 
@@ -222,7 +222,8 @@ class OpenAISpeech:
                 return from_grpc(exc).response()
             log.warning("speech %s failed after its first byte: %s %s", request_id,
                         exc.code().name, exc.details())
-            request.transport.close()  # a cut stream must not look complete
+            if request.transport is not None:
+                request.transport.close()  # a cut stream must not look complete
             return response
         except ConnectionResetError:  # the client went away
             return response if response is not None else web.Response(status=499)

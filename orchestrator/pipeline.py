@@ -11,8 +11,8 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 import numpy as np
@@ -30,6 +30,8 @@ from splittts.tts.v1 import tts_pb2
 from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+_VocodeCall = grpc.aio.StreamStreamCall[vocoder_pb2.VocodeRequest, vocoder_pb2.VocodeResponse]
 
 _END = object()
 # token chunks a segment may hold for the vocoder: past it its Generate stream is not read, and
@@ -70,10 +72,12 @@ def child_traceparent(trace_id: str) -> tuple[tuple[str, str], ...]:
     return (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
 
 
-def downstream_error(service: str, replica: Replica, exc: grpc.aio.AioRpcError) -> StatusError:
+def downstream_error(service: str, replica: Replica | None,
+                     exc: grpc.aio.AioRpcError) -> StatusError:
     """The caller's status for a failed downstream call; the replica's address goes to the log only."""
     code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-    log.warning("%s replica %s failed: %s: %s", service, replica.address, exc.code().name, exc.details())
+    address = replica.address if replica is not None else "(none picked)"
+    log.warning("%s replica %s failed: %s: %s", service, address, exc.code().name, exc.details())
     return StatusError(f"{service} service: {exc.code().name}: {exc.details()}", code)
 
 
@@ -98,6 +102,7 @@ class _Segment:
                 self.phoneme_starts.append(self.num_speech)
 
     def word_timings(self, index: int, base_tokens: int, ms_per_token: float) -> tts_pb2.WordTimings:
+        assert self.plan is not None, "word timings come from phoneme-synchronous segments"
         spans = word_spans(self.normalized, self.plan.phoneme_chars, self.phoneme_starts,
                            self.num_speech)
         return tts_pb2.WordTimings(words=[tts_pb2.WordTiming(
@@ -111,7 +116,7 @@ class VocodeSession:
     def __init__(self, pool: ReplicaPool, voice: VoiceSpec, request_id: str, trace_id: str):
         self.pool, self.voice, self.request_id, self.trace_id = pool, voice, request_id, trace_id
         self.replica: Replica | None = None
-        self.call = None
+        self.call: _VocodeCall | None = None
         self.sent_at: list[float] = []
         self._counted = False  # whether this session is counted in replica.in_flight
 
@@ -126,17 +131,19 @@ class VocodeSession:
             request_id=self.request_id)))
 
     async def write(self, message: vocoder_pb2.VocodeRequest) -> None:
+        assert self.call is not None, "open() first"
         self.sent_at.append(time.perf_counter())
         await self.call.write(message)
 
     async def end(self) -> None:
         await self.write(vocoder_pb2.VocodeRequest(end_of_stream=True))
+        assert self.call is not None
         await self.call.done_writing()
 
     def close(self) -> None:
         if self.call is not None and not self.call.done():
             self.call.cancel()
-        if self._counted:
+        if self._counted and self.replica is not None:
             self.replica.in_flight -= 1
             self._counted = False
 
@@ -149,7 +156,7 @@ async def _coalesced(queue: asyncio.Queue):
     if not isinstance(item, list):
         return item
     item = list(item)
-    while not queue.empty() and isinstance(queue._queue[0], list):  # noqa: SLF001 - peek
+    while not queue.empty() and isinstance(queue._queue[0], list):  # type: ignore[attr-defined]  # peek
         item.extend(queue.get_nowait())
     return item
 
@@ -411,6 +418,7 @@ class Pipeline:
     async def _read_audio(self, vocoder: VocodeSession, out: AudioOutput, tracker: LatencyTracker,
                           outbox: asyncio.Queue, ahead: AheadBudget,
                           in_vocoder: AheadBudget) -> None:
+        assert vocoder.replica is not None and vocoder.call is not None, "open() first"
         tracker.vocoder_hop.address = vocoder.replica.address
         while True:
             await ahead.room()  # the caller has taken enough of what was made
@@ -418,7 +426,7 @@ class Pipeline:
                 resp = await vocoder.call.read()
             except grpc.aio.AioRpcError as exc:
                 raise downstream_error("vocoder", vocoder.replica, exc) from None
-            if resp is grpc.aio.EOF:
+            if not isinstance(resp, vocoder_pb2.VocodeResponse):  # grpc.aio.EOF
                 break
             now = time.perf_counter()
             if resp.HasField("summary"):

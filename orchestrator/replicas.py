@@ -22,7 +22,7 @@ class Replica:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
                  options: tuple[tuple[str, int], ...] = ()):
         self.address = address
-        options = [
+        channel_options: list[tuple[str, str | int]] = [
             *options,
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.enable_retries", 0),
@@ -31,9 +31,9 @@ class Replica:
             ("grpc.max_reconnect_backoff_ms", 2000),
             # a DNS name with several addresses (a headless Service) spreads calls over them
             ("grpc.lb_policy_name", "round_robin")]
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=options)
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=channel_options)
                         if credentials is not None
-                        else grpc.aio.insecure_channel(address, options=options))
+                        else grpc.aio.insecure_channel(address, options=channel_options))
         self.in_flight = 0
         self.healthy = True
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
+
+import grpc
 
 from orchestrator import metrics
 from orchestrator.audio import resolve_audio_format
@@ -15,10 +17,13 @@ from orchestrator.pipeline import Pipeline, SynthesisRequest
 from orchestrator.voices import VoiceSpec
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted, StatusError
 from servicekit.logs import log_event, trace_id
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+_SynthesizeContext = grpc.aio.ServicerContext[pb.SynthesizeRequest, pb.SynthesizeResponse]
+_StreamingContext = grpc.aio.ServicerContext[pb.StreamingSynthesizeRequest, pb.SynthesizeResponse]
+_VoicesContext = grpc.aio.ServicerContext[pb.ListVoicesRequest, pb.ListVoicesResponse]
 
 MAX_TEXT_CHARS = 5000
 MAX_STREAMING_TEXT_CHARS = 20000
@@ -87,7 +92,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                                     f"{self.max_in_flight}); retry later")
 
     # -- RPCs -----------------------------------------------------------------------------------
-    async def Synthesize(self, request, context):
+    async def Synthesize(self, request: pb.SynthesizeRequest,
+                         context: _SynthesizeContext) -> AsyncIterator[pb.SynthesizeResponse]:
         """Speak a whole text; audio streams back as it is made, then the LatencyReport."""
         tracker = LatencyTracker(request.request_id)
         text = request.text
@@ -109,7 +115,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         async for msg in self._run("Synthesize", req, texts(), tracker):
             yield msg
 
-    async def StreamingSynthesize(self, request_iterator, context):
+    async def StreamingSynthesize(
+            self, request_iterator: AsyncIterator[pb.StreamingSynthesizeRequest],
+            context: _StreamingContext) -> AsyncIterator[pb.SynthesizeResponse]:
         """Config first, then text pieces; audio starts at the first sentence or clause."""
         tracker = LatencyTracker("")
         requests = request_iterator.__aiter__()
@@ -177,7 +185,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             metrics.IN_FLIGHT.dec()
             metrics.REQUESTS.labels(rpc, status).inc()
 
-    async def ListVoices(self, request, context):
+    async def ListVoices(self, request: pb.ListVoicesRequest,
+                         context: _VoicesContext) -> pb.ListVoicesResponse:
         """Voices of this deployment, the default first."""
         voices = []
         for spec in self.voices.values():

@@ -30,7 +30,7 @@ class VoiceSpec:
     phoneme_sync: dict | None = None  # orchestrator.phoneme_sync: the LM writes phonemes back
 
     @classmethod
-    def load(cls, directory: str | Path) -> "VoiceSpec":
+    def load(cls, directory: str | Path) -> VoiceSpec:
         directory = Path(directory)
         path = directory / "voice.json"
         try:
@@ -42,6 +42,8 @@ class VoiceSpec:
         try:
             lo, hi = (int(x) for x in m["speech_token_range"])
             allowed = m.get("allowed_token_range")
+            if allowed is not None and len(allowed) != 2:
+                raise ValueError("allowed_token_range: must be [start, end]")
             spec = cls(name=str(m.get("name", directory.name)), directory=directory,
                        description=str(m.get("description", "")),
                        languages=tuple(m.get("languages") or ("en-US",)),
@@ -50,7 +52,7 @@ class VoiceSpec:
                        prompt_template=str(m.get("prompt_template", "{text}")),
                        text_frontend=dict(m.get("text_frontend") or {}),
                        sampling=dict(m.get("sampling") or {}),
-                       allowed_token_range=tuple(int(x) for x in allowed) if allowed else None,
+                       allowed_token_range=(int(allowed[0]), int(allowed[1])) if allowed else None,
                        max_tokens=int(m.get("max_tokens", 1200)),
                        max_tokens_per_char=float(m.get("max_tokens_per_char",
                                                        m.get("max_tokens_per_phoneme_char", 0.0))),

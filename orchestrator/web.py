@@ -30,8 +30,9 @@ import logging
 import ssl
 import struct
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -41,10 +42,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.auth import COOKIE, check_bearer, token_interceptors
 from orchestrator.openai_api import ApiError, OpenAISpeech
-from servicekit.tls import ClientTLS, ServerTLS
 from orchestrator.web_download import encode as encode_download
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from servicekit.tls import ClientTLS, ServerTLS
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class _Session:
 
     def __init__(self, ws: web.WebSocketResponse, stub: tts_pb2_grpc.TextToSpeechStub):
         self.ws, self.stub = ws, stub
-        self.call = None
+        self.call: Any = None  # the Synthesize or StreamingSynthesize call in flight
         self.task: asyncio.Task | None = None
         self.streaming = False
         self._send_lock = asyncio.Lock()
@@ -172,7 +172,7 @@ class _Session:
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 await self.send_json({"type": "error", "code": exc.code().name,
-                                      "message": plain_error(exc.code(), exc.details()),
+                                      "message": plain_error(exc.code(), exc.details() or ""),
                                       "detail": exc.details() or ""})
         except ConnectionResetError:
             call.cancel()
@@ -233,6 +233,8 @@ class WebDemo:
         context = None
         if https is not None:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            if https.cert_path is None or https.key_path is None:
+                raise ValueError("HTTPS needs the certificate and key as files")
             context.load_cert_chain(https.cert_path, https.key_path)
         self.runner = web.AppRunner(self.app(), access_log=None)
         await self.runner.setup()
@@ -301,7 +303,7 @@ class WebDemo:
         try:
             reply = await self._stub().ListVoices(pb.ListVoicesRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            return web.json_response({"error": plain_error(exc.code(), exc.details()),
+            return web.json_response({"error": plain_error(exc.code(), exc.details() or ""),
                                       "code": exc.code().name}, status=503)
         return web.json_response({"voices": [
             {"name": v.name, "language_codes": list(v.language_codes),
@@ -360,5 +362,5 @@ def relay_tls(server: ServerTLS | None, backends: ClientTLS | None) -> ClientTLS
     if server.mutual and (backends is None or backends.cert is None):
         raise ValueError("--tls-client-ca on the orchestrator with --http-port needs "
                          "--tls-client-cert and --tls-client-key for the web relay")
-    return ClientTLS(ca, backends.cert if server.mutual else None,
-                     backends.key if server.mutual else None)
+    client = backends if server.mutual else None
+    return ClientTLS(ca, client.cert if client else None, client.key if client else None)

@@ -14,6 +14,7 @@ import datetime
 import ipaddress
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -34,7 +35,7 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
 
 
 def _builder(subject: str, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
             .issuer_name(issuer).public_key(public_key)
@@ -47,8 +48,10 @@ def make_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateK
     """The CA in `directory` (ca.pem, ca-key.pem), made when missing."""
     cert_path, key_path = directory / "ca.pem", directory / "ca-key.pem"
     if cert_path.is_file() and key_path.is_file():
-        return (x509.load_pem_x509_certificate(cert_path.read_bytes()),
-                serialization.load_pem_private_key(key_path.read_bytes(), None))
+        ca_key = serialization.load_pem_private_key(key_path.read_bytes(), None)
+        if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{key_path}: not an elliptic-curve key; remove it to make a new CA")
+        return x509.load_pem_x509_certificate(cert_path.read_bytes()), ca_key
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "split-tts private CA")])
     cert = (_builder("split-tts private CA", name, key.public_key())
@@ -86,7 +89,7 @@ def issue(directory: Path, name: str, hosts: list[str],
     return cert_path, key_path
 
 
-def make_all(directory: str | Path, extra_names: list[str] = ()) -> Path:
+def make_all(directory: str | Path, extra_names: Sequence[str] = ()) -> Path:
     """The CA and one certificate per service in `directory` (created), missing ones made."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

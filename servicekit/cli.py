@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from servicekit.errors import ServiceFailed, StartupError
 from servicekit.logs import configure_logging
 
 
 def run_service(prog: str, parser: argparse.ArgumentParser,
-                run: Callable[[argparse.Namespace], Awaitable[None]],
+                run: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
                 argv: list[str] | None = None) -> int:
     """Run `run(args)` until shutdown; a bad flag, model, voice or busy port is one line and exit
     code 2, a failure while serving one line and exit code 1 (for a supervisor to restart)."""

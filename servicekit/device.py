@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 import servicekit  # noqa: F401  (sets TORCH_DEVICE_BACKEND_AUTOLOAD before torch loads)
+
+# isort: split
 import torch
 
 log = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ def npu_available() -> bool:
 def select_device(name: str = "auto") -> torch.device:
     """Resolve a device name; an explicit device that is not present is an error."""
     name = name.lower()
-    if name not in DEVICE_CHOICES and not name.split(":")[0] in DEVICE_CHOICES[1:]:
+    if name not in DEVICE_CHOICES and name.split(":")[0] not in DEVICE_CHOICES[1:]:
         raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (got {name!r})")
     kind = name.split(":")[0]
     if kind == "auto":

@@ -11,8 +11,9 @@ import secrets
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,7 +46,7 @@ class Service:
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     status = as_status_error(exc)
     if status is not None:
-        trailers = ()
+        trailers: tuple[tuple[str, str], ...] = ()
         if status.retry_after_s is not None:
             trailers = (("grpc-retry-pushback-ms", str(round(1e3 * status.retry_after_s))),)
         await context.abort(status.code, str(status), trailing_metadata=trailers)
@@ -170,9 +171,10 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     error guard (e.g. authentication). `health_port` (0 picks one) serves grpc.health.v1 alone
     in plaintext, for probes that cannot speak TLS; the serving line reports it.
     """
-    with_metrics = metrics_port is not None and metrics_port >= 0
+    if metrics_port is not None and metrics_port < 0:
+        metrics_port = None
     _check_port_free(host, port, "gRPC port")
-    if with_metrics:
+    if metrics_port is not None:
         _check_port_free(host, metrics_port, "metrics port")
     server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -186,7 +188,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
         s.add_to_server(s.servicer, server)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    record_health({name: False for name in ["", *names]})
+    record_health(dict.fromkeys(["", *names], False))
     if reflection_on:
         reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -210,7 +212,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     await server.start()
 
     bound_metrics, telemetry = None, None
-    if with_metrics:
+    if metrics_port is not None:
         try:
             httpd, _ = start_http_server(metrics_port, addr=host,
                                          certfile=tls.cert_path if tls else None,
@@ -259,7 +261,7 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     readiness.cancel()
     await asyncio.gather(readiness, return_exceptions=True)
     await health_servicer.enter_graceful_shutdown()
-    record_health({name: False for name in state})
+    record_health(dict.fromkeys(state, False))
     log.info("draining for up to %.1f s", grace_s)
     await server.stop(grace_s)
     if telemetry is not None:

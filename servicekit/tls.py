@@ -14,12 +14,17 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 import grpc
 
 log = logging.getLogger(__name__)
 
 
+@overload
+def _read(flag: str, path: str) -> bytes: ...
+@overload
+def _read(flag: str, path: str | None) -> bytes | None: ...
 def _read(flag: str, path: str | None) -> bytes | None:
     if path is None:
         return None

@@ -2,8 +2,14 @@
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config
-from transformers import Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 TINY_DEFAULTS = {
     "qwen3_5": dict(

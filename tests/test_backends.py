@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vocoder_service.backends import (OnnxBackend, TorchBackend, create_backend, default_cache_dir)
+from vocoder_service.backends import OnnxBackend, TorchBackend, create_backend, default_cache_dir
 from vocoder_service.checkpoint import pretrained_checkpoint, resolve_checkpoint
 from vocoder_service.hifigan import Generator, HifiGanConfig
 

@@ -10,8 +10,7 @@ import pytest
 
 from orchestrator.launcher import LocalDeployment
 from orchestrator.voices import VOICES_DIR
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from vocoder_service.backends import OnnxBackend
 from vocoder_service.voice import load_voice
 
@@ -56,8 +55,8 @@ def test_seeded_synthesis_is_reproducible(deployment):
 
 def test_stream_equals_offline_vocoding(deployment):
     """Speech tokens from the text service, vocoded offline, equal what the pipeline streamed."""
-    from splittts.text.v1 import text_pb2, text_pb2_grpc
     from orchestrator.frontend import FrontEnd
+    from splittts.text.v1 import text_pb2, text_pb2_grpc
 
     manifest = json.loads((VOICE / "voice.json").read_text())
     lo, hi = manifest["speech_token_range"]

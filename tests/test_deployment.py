@@ -346,7 +346,8 @@ def test_k8s_deployments_services_and_probes():
         for e in c.get("env", []):
             ref = e.get("valueFrom", {}).get("configMapKeyRef")
             env[e["name"]] = config[ref["key"]] if ref else e["value"]
-        argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)  # noqa: B023
+                for a in c["args"]]
         script, ns = parse_command(argv)
         assert script == name
         parsed[name] = ns

@@ -65,7 +65,7 @@ def aligned_snr_db(ref: np.ndarray, got: np.ndarray, max_lag: int = 4000) -> flo
     """SNR of `got` against `ref` after the best shift of at most `max_lag` samples (codec delay)."""
     n = len(ref) - 2 * max_lag
     mid = ref[max_lag:max_lag + n]
-    best = max(range(0, min(2 * max_lag, len(got) - n) + 1),
+    best = max(range(min(2 * max_lag, len(got) - n) + 1),
                key=lambda lag: float(np.dot(mid, got[lag:lag + n])))
     err = mid - got[best:best + n]
     return float(10 * np.log10(np.sum(mid ** 2) / max(np.sum(err ** 2), 1e-20)))

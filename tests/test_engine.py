@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_models import load_hf_model, make_tiny_model
+
 from text_service.engine import EngineArgs, LLMEngine, StepOutput
 from text_service.errors import CapacityError, InvalidRequestError
 from text_service.sampling_params import SamplingParams

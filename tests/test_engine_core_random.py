@@ -12,8 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from text_service.config import EngineConfig
 from text_service.sampling_params import SamplingParams

@@ -11,8 +11,7 @@ import grpc
 import pytest
 
 from orchestrator.launcher import Process, start_service
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.procs import metric_value
 from tests.voices import make_tts_voice, speech_tokens_only
 
@@ -101,7 +100,7 @@ class Call:
         finally:
             self.first.set()
 
-    def finish(self, timeout: float = 120.0) -> "Call":
+    def finish(self, timeout: float = 120.0) -> Call:
         self.go.set()
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "the call neither finished nor failed in time"

@@ -11,8 +11,7 @@ import pytest
 
 from orchestrator.launcher import LocalDeployment
 from splittts.text.v1 import text_pb2, text_pb2_grpc
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.procs import metric_value
 from tests.voices import make_tts_voice, speech_tokens_only
 

@@ -70,8 +70,9 @@ def test_hf_kernels_probe_stays_false():
 
 
 def test_select_device():
-    from servicekit.device import parse_dtype, select_device
     import torch
+
+    from servicekit.device import parse_dtype, select_device
 
     assert select_device("auto").type in ("npu", "cuda", "cpu")
     assert select_device("cpu") == torch.device("cpu")

@@ -5,11 +5,16 @@ import shutil
 import subprocess
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from orchestrator.frontend import (FrontEnd, Segment, StreamingSegmenter, detect_language,
-                                   split_sentences, text_units)
+from orchestrator.frontend import (
+    FrontEnd,
+    Segment,
+    StreamingSegmenter,
+    detect_language,
+    split_sentences,
+    text_units,
+)
 from orchestrator.frontend.espeak_lib import EspeakLibraryError
 from orchestrator.frontend.g2p import EspeakG2P, G2PError, PassthroughG2P, build_g2p, to_pinyin
 from orchestrator.frontend.normalize_en import cardinal, normalize_en, ordinal, year

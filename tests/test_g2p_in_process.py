@@ -88,7 +88,7 @@ def test_concurrent_calls_in_two_voices_match_serial_ones():
             for k in range(len(texts)):
                 v, t = texts[(k + offset) % len(texts)]
                 got[(v, t, offset)] = library.phonemes(t, v)
-        except Exception as exc:  # surfaced below
+        except Exception as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i * 5,)) for i in range(6)]

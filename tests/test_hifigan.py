@@ -9,8 +9,13 @@ import pytest
 import soundfile as sf
 import torch
 
-from vocoder_service.checkpoint import (GeneratorCheckpoint, load_generator, pretrained_checkpoint,
-                                        read_state_dict, resolve_checkpoint)
+from vocoder_service.checkpoint import (
+    GeneratorCheckpoint,
+    load_generator,
+    pretrained_checkpoint,
+    read_state_dict,
+    resolve_checkpoint,
+)
 from vocoder_service.hifigan import Generator, HifiGanConfig, receptive_field_frames
 from vocoder_service.mel import MelSpectrogram, hz_to_mel, mel_filterbank, mel_to_hz
 

@@ -46,7 +46,8 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
     assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (cpu_ext.build() is None)
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
     assert {f.name for f in dataclasses.fields(kernels.Ops)} == {
-        "linear", "pack_linear_weight", "silu_and_mul", "rms_norm", "add_rms_norm", "gated_rms_norm", "rotary", "write_kv", "paged_attention",
+        "linear", "pack_linear_weight", "silu_and_mul", "rms_norm", "add_rms_norm", "gated_rms_norm",
+        "rotary", "write_kv", "paged_attention",
         "paged_attention_decode", "causal_conv1d", "causal_conv1d_update",
         "chunk_gated_delta_rule", "recurrent_gated_delta_rule",
     }  # fmt: skip

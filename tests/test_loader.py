@@ -3,10 +3,10 @@ import json
 
 import pytest
 import torch
+from hf_models import load_hf_model, make_tiny_model, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5Config
 
-from hf_models import load_hf_model, make_tiny_model, tiny_config
 from text_service.hf_config import load_hf_config
 from text_service.loader import WeightLoadError, expected_tensors, load_model
 from text_service.models import build_model

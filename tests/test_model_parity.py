@@ -3,11 +3,16 @@ import random
 
 import pytest
 import torch
-
 from hf_models import hf_logits, load_hf_model, make_tiny_model
+
 from text_service.context import Context, reset_context, set_context
 from text_service.loader import load_model
-from text_service.models.cache import allocate_caches, copy_state_slots, kv_bytes_per_block, state_bytes_per_slot
+from text_service.models.cache import (
+    allocate_caches,
+    copy_state_slots,
+    kv_bytes_per_block,
+    state_bytes_per_slot,
+)
 
 ATOL = 1e-4
 LIN, FULL = "linear_attention", "full_attention"

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 import torch
+from hf_models import make_tiny_model
 from torch.overrides import TorchFunctionMode
 
 import kernels
 import kernels.ops
-from hf_models import make_tiny_model
 from tests import torch_npu_standin as standin
 from text_service.engine import EngineArgs, LLMEngine
 from text_service.sampling_params import SamplingParams

@@ -16,8 +16,7 @@ import pytest
 import soundfile
 
 from orchestrator.launcher import LocalDeployment
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.procs import metric_value
 from tests.voices import make_tts_voice
 

@@ -11,8 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.launcher import start_service
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.voices import make_tts_voice
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -6,8 +6,7 @@ import grpc
 import pytest
 
 from orchestrator.launcher import LocalDeployment
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.voices import make_tts_voice
 
 MANDARIN = "我有3个苹果。"  # the digit reads as 三 in Mandarin, "three" in English

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from hf_models import load_hf_model, make_tiny_model
+
 from text_service.constraints import PhonemeSync, PhonemeSyncState
 from text_service.engine import EngineArgs, LLMEngine
 from text_service.errors import InvalidRequestError
@@ -153,7 +153,7 @@ def test_speech_choices_equal_the_unconstrained_model(model):
 
 def _requests():
     out = []
-    for i, (name, c) in enumerate(sorted(CONSTRAINTS.items())):
+    for i, (_, c) in enumerate(sorted(CONSTRAINTS.items())):
         prompt = PROMPT + [16 + i] * (5 + 7 * i)
         for params in (SamplingParams(temperature=0, max_tokens=80, phoneme_sync=c),
                        SamplingParams(temperature=1.0, top_k=40, seed=11 + i, max_tokens=80,

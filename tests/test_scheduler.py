@@ -175,7 +175,7 @@ def test_decodes_come_first_then_prefill_chunks_under_the_budget():
     while sched.get("long").is_prefill:
         out, _ = step(sched)
         assert out.num_batched_tokens <= 10 and len(out.decode_seqs) == 2
-        chunks.append(dict((s.seq_id, n) for s, n in out.prefill_chunks)["long"])
+        chunks.append({s.seq_id: n for s, n in out.prefill_chunks}["long"])
     assert chunks == [8, 8, 8, 6]
 
 

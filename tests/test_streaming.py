@@ -9,8 +9,13 @@ import torch
 from vocoder_service.backends import TorchBackend
 from vocoder_service.mel import MelSpectrogram
 from vocoder_service.stream import ChunkPolicy, VocoderStream, vocode_jobs
-from vocoder_service.token_decoder import (ConvLayer, TokenDecoder, TokenDecoderConfig, load_token_decoder,
-                                           save_token_decoder)
+from vocoder_service.token_decoder import (
+    ConvLayer,
+    TokenDecoder,
+    TokenDecoderConfig,
+    load_token_decoder,
+    save_token_decoder,
+)
 from vocoder_service.voice import load_voice
 
 HOP = 256

@@ -9,8 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from splittts.text.v1 import text_pb2 as pb
-from splittts.text.v1 import text_pb2_grpc
+from splittts.text.v1 import text_pb2 as pb, text_pb2_grpc
 from tests.hf_models import make_tiny_model
 from tests.procs import ServiceProcess, metric_value
 

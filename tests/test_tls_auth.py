@@ -28,8 +28,7 @@ from orchestrator.__main__ import main as orchestrator_main
 from orchestrator.launcher import LocalDeployment
 from servicekit.certs import make_all
 from servicekit.tls import is_loopback, warn_if_exposed
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.procs import ServiceProcess
 from tests.voices import make_tts_voice
 

@@ -12,8 +12,7 @@ import soundfile as sf
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from splittts.vocoder.v1 import vocoder_pb2 as pb
-from splittts.vocoder.v1 import vocoder_pb2_grpc
+from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from tests.procs import ROOT, ServiceProcess, metric_value
 from tests.voices import make_random_voice
 from vocoder_service.backends import OnnxBackend

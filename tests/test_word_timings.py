@@ -12,8 +12,7 @@ import pytest
 
 from orchestrator.launcher import LocalDeployment
 from orchestrator.word_timings import align, spoken_units, word_spans
-from splittts.tts.v1 import tts_pb2 as pb
-from splittts.tts.v1 import tts_pb2_grpc
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.voices import make_tts_voice
 
 TEXT = "hello there, my friend. this is a test"

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import torch
 
-from vocoder_service.token_decoder import ConvLayer, TokenDecoder, TokenDecoderConfig, save_token_decoder
+from vocoder_service.token_decoder import (
+    ConvLayer,
+    TokenDecoder,
+    TokenDecoderConfig,
+    save_token_decoder,
+)
 
 
 def make_random_voice(root: Path, name: str = "testvoice", codebook_size: int = 64,

@@ -84,7 +84,8 @@ async def run(args: argparse.Namespace) -> None:
     async_engine = AsyncEngine(engine, max_pending=args.max_pending,
                                on_failure=lambda exc: stop.set(),
                                max_backlog=args.max_stream_backlog)
-    servicer = TextGenerationServicer(async_engine, Path(args.model).resolve().name)
+    model_name = Path(args.model).resolve().name  # noqa: ASYNC240 - once, at start-up
+    servicer = TextGenerationServicer(async_engine, model_name)
 
     def warmup() -> None:  # one short request through every path before SERVING
         engine.generate([[0] * 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))

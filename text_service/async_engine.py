@@ -7,8 +7,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from text_service.engine import LLMEngine
 from text_service.errors import CapacityError, EngineDeadError
@@ -110,7 +110,7 @@ class AsyncEngine:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Admit a request (already validated); raises CapacityError past `max_pending`."""
         if self.error is not None:
-            raise EngineDeadError()
+            raise EngineDeadError
         if len(self._streams) >= self.max_pending:
             raise CapacityError(f"{len(self._streams)} requests in flight (max_pending="
                                 f"{self.max_pending}); retry later")
@@ -154,6 +154,7 @@ class AsyncEngine:
 
     # -- engine thread ----------------------------------------------------------------------
     def _deliver(self, stream: RequestStream, item) -> None:
+        assert self._loop is not None, "start() first"
         self._loop.call_soon_threadsafe(self._push, stream, item)
 
     def _apply_commands(self) -> None:
@@ -195,7 +196,7 @@ class AsyncEngine:
                 now = time.perf_counter()
                 for out in outputs:
                     if out.new_token_ids or out.finished:
-                        rid = out.seq.seq_id
+                        rid = str(out.seq.seq_id)
                         stream = self._running.pop(rid) if out.finished else self._running.get(rid)
                         if stream is None:
                             continue
@@ -208,11 +209,12 @@ class AsyncEngine:
                         if self._backlog[rid] >= self.max_backlog:
                             self.engine.pause_request(rid)
                 self.stats = self.engine.stats()
-        except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
+        except BaseException as exc:  # fail every waiter instead of hanging them
             log.exception("engine loop crashed; failing every request")
             self._running.clear()
             self._backlog.clear()
             try:
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._fail_all, exc)
             except RuntimeError:  # the event loop is already closed
                 pass

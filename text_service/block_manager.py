@@ -200,7 +200,7 @@ class BlockManager:
         return block_id
 
     def _forget(self, block: Block) -> None:
-        if self._cached.get(block.hash) == block.block_id:
+        if block.hash is not None and self._cached.get(block.hash) == block.block_id:
             del self._cached[block.hash]
             slot = self._snapshots.pop(block.hash, None)
             if slot is not None:

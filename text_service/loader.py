@@ -100,10 +100,11 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
             param_name, shard = expected[name]
             param = params[param_name]
             try:
+                load = param.weight_loader  # type: ignore[attr-defined]  # set by the layer
                 if shard is None:
-                    param.weight_loader(param, tensor)
+                    load(param, tensor)
                 else:
-                    param.weight_loader(param, tensor, shard)
+                    load(param, tensor, shard)
             except ValueError as e:
                 raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} -> {param_name!r}: {e}") from None
             loaded.add(name)

@@ -1,6 +1,7 @@
 """Prometheus metrics of the text service, named in vLLM's style."""
 
-from typing import Callable
+import functools
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -36,10 +37,14 @@ REQUESTS = Counter("splittts_text_request_success",
                    ["finished_reason"])
 
 
+def _stat(stats: Callable[[], dict], key: str) -> float:
+    return stats().get(key, 0)
+
+
 def follow_engine_stats(stats: Callable[[], dict]) -> None:
     """Read the gauges from `stats()` (the engine thread's latest) at every scrape."""
     for gauge, key in ((RUNNING, "num_running"), (WAITING, "num_waiting"),
                        (KV_USAGE, "kv_cache_usage"), (PREFIX_QUERIES, "prefix_cache_queries"),
                        (PREFIX_HITS, "prefix_cache_hits"), (PREEMPTIONS, "num_preemptions"),
                        (PAUSED, "num_paused")):
-        gauge.set_function(lambda key=key: stats().get(key, 0))
+        gauge.set_function(functools.partial(_stat, stats, key))

@@ -129,7 +129,7 @@ class ModelRunner:
                    for t in (a.k_cache, a.v_cache)]
         tensors += [t for m in self.model.linear_attention_layers().values()
                     for t in (m.conv_state, m.ssm_state)]
-        return sum(t.nbytes for t in tensors if t is not None)
+        return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
     # -- one step -----------------------------------------------------------------------------
     def _arrays_of(self, seq: Sequence) -> _SeqArrays:
@@ -141,6 +141,7 @@ class ModelRunner:
     def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_decodes: int,
                  samples: list[bool]) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """input_ids, positions and the Context of one step, built with array ops."""
+        assert self.config is not None, "allocate the cache first"
         bs = self.config.block_size
         num_seqs = len(seqs)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64,

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from text_service.constraints import PhonemeSyncState
+from text_service.constraints import PhonemeSync, PhonemeSyncState
 from text_service.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -33,7 +33,7 @@ def apply_allowed_range(logits: Tensor, lo: int, hi: int, exempt_ids: tuple[int,
     kept_exempt = logits[:, exempt].clone() if exempt else None
     logits.fill_(NEG_INF)
     logits[:, lo:hi + 1] = keep
-    if exempt:
+    if kept_exempt is not None:
         logits[:, exempt] = kept_exempt
 
 
@@ -264,9 +264,10 @@ class Sampler:
             return
         if states is None or any(states[i] is None for i in rows):
             raise ValueError("rows with phoneme_sync need their constraint states")
-        syncs = [params[i].phoneme_sync for i in rows]
-        next_ids, may, must = zip(*(states[i].row(c) for i, c in zip(rows, syncs)))
-        may, must = np.array(may, dtype=bool), np.array(must, dtype=bool)
+        syncs: list[PhonemeSync] = [params[i].phoneme_sync for i in rows]  # type: ignore[misc]
+        row_states: list[PhonemeSyncState] = [states[i] for i in rows]  # type: ignore[misc]
+        next_ids, may_rows, must_rows = zip(*(s.row(c) for s, c in zip(row_states, syncs)))
+        may, must = np.array(may_rows, dtype=bool), np.array(must_rows, dtype=bool)
         device = logits.device
         next_t = torch.tensor(next_ids, device=device)
         every_row = len(rows) == len(params)
@@ -277,9 +278,9 @@ class Sampler:
             (lo, hi), = ranges
             apply_phoneme_sync_shared(sub, lo, hi, next_t, may, must)
         else:
-            lo, hi = (torch.tensor(x, device=device) for x in zip(*(c.speech_token_range
-                                                                   for c in syncs)))
-            sub = apply_phoneme_sync(sub, lo, hi, next_t, torch.from_numpy(may).to(device),
+            los, his = (torch.tensor(x, device=device) for x in zip(*(c.speech_token_range
+                                                                     for c in syncs)))
+            sub = apply_phoneme_sync(sub, los, his, next_t, torch.from_numpy(may).to(device),
                                      torch.from_numpy(must).to(device))
             if every_row:
                 logits.copy_(sub)

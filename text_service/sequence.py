@@ -94,5 +94,6 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Add one sampled token."""
         self.token_ids.append(token_id)
-        if self.constraint_state is not None:
-            self.constraint_state.advance(self.sampling_params.phoneme_sync, token_id)
+        sync = self.sampling_params.phoneme_sync
+        if self.constraint_state is not None and sync is not None:
+            self.constraint_state.advance(sync, token_id)

@@ -6,11 +6,13 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+
+import grpc
 
 from servicekit.errors import InvalidArgument, ResourceExhausted
 from servicekit.logs import log_event, trace_id
-from splittts.text.v1 import text_pb2 as pb
-from splittts.text.v1 import text_pb2_grpc
+from splittts.text.v1 import text_pb2 as pb, text_pb2_grpc
 from text_service import metrics
 from text_service.async_engine import AsyncEngine
 from text_service.constraints import PhonemeSync
@@ -26,6 +28,9 @@ _FIELD_NAMES = {"temperature": "sampling.temperature", "top_k": "sampling.top_k"
                 "top_p": "sampling.top_p", "repetition_penalty": "sampling.repetition_penalty",
                 "repetition_window": "sampling.repetition_window", "seed": "sampling.seed",
                 "allowed_token_range": "allowed_tokens"}
+
+_GenerateContext = grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse]
+_InfoContext = grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo]
 
 # A client's own deadline expires a transit time before ours, and its cancel can arrive first.
 _DEADLINE_SLACK_S = 0.5
@@ -99,13 +104,12 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                                                add_special_tokens=False)
             return "text", encoding.ids
         if kind == "token_ids":
-            ids = request.token_ids.ids
+            ids = list(request.token_ids.ids)
             if not ids:
                 raise InvalidArgument("token_ids.ids: must not be empty")
             if len(ids) > self.max_model_len:
                 raise InvalidArgument(f"token_ids.ids: prompt of {len(ids)} tokens is longer than "
                                       f"the model's limit max_model_len={self.max_model_len}")
-            ids = list(ids)
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"token_ids.ids: id {bad} is outside the vocabulary "
@@ -136,7 +140,8 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             raise InvalidArgument(f"{name}: {exc.rule}") from None
         return params
 
-    async def Generate(self, request, context):
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: _GenerateContext) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the sampled token ids; the last message has finish reason, usage, timings."""
         field, prompt = await self._prompt(request)
         params = self._params(request, field, len(prompt))
@@ -175,7 +180,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             outcome = ("deadline" if remaining is not None and remaining < _DEADLINE_SLACK_S
                        else "cancelled")
             raise
-        except Exception as exc:  # noqa: BLE001 - counted, then mapped to a status by servicekit
+        except Exception as exc:  # counted, then mapped to a status by servicekit
             outcome = "rejected" if isinstance(exc, CapacityError) else "failed"
             raise
         finally:
@@ -185,6 +190,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             else:
                 self.engine.release(request_id)
         end = time.perf_counter()
+        assert seq is not None  # the loop ends only on a finished event, which carries it
         usage = pb.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
                          cached_prompt_tokens=seq.num_cached_tokens,
                          preemptions=seq.num_preemptions)
@@ -200,7 +206,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                   completion_tokens=sent, finish=seq.finish_reason, ttft_ms=round(timings.ttft_ms, 2),
                   total_ms=round(timings.total_ms, 2), trace_id=trace_id(context))
         yield pb.GenerateResponse(first_token_index=sent, finish_reason=_FINISH.get(
-            seq.finish_reason, pb.FINISH_REASON_UNSPECIFIED), usage=usage, timings=timings)
+            seq.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED), usage=usage, timings=timings)
 
     def _observe(self, seq, timings: pb.GenerateTimings, token_times: list[float]) -> None:
         metrics.TTFT.observe(timings.ttft_ms / 1e3)
@@ -213,7 +219,8 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         metrics.GENERATION_TOKENS.inc(len(token_times))
         metrics.REQUESTS.labels(seq.finish_reason or "unknown").inc()
 
-    async def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: _InfoContext) -> pb.ModelInfo:
         """The loaded model and the engine's limits and load."""
         core, stats = self.engine.engine, self.engine.stats
         return pb.ModelInfo(

@@ -63,7 +63,7 @@ def load(args: argparse.Namespace):
 
     from servicekit.device import select_device
     from servicekit.memory import retain_freed_memory
-    from vocoder_service.backends import OnnxBackend, TorchBackend
+    from vocoder_service.backends import Backend, OnnxBackend, TorchBackend
     from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import VocoderVoice, load_voice
 
@@ -77,7 +77,8 @@ def load(args: argparse.Namespace):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     retain_freed_memory()  # torch eager reuses its large buffers instead of faulting them in
-    backends, by_generator = {}, {}
+    backends: dict[str, Backend] = {}
+    by_generator: dict[str, Backend] = {}
     for voice in voices:
         key = voice.generator.fingerprint
         if key not in by_generator:

@@ -7,6 +7,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,18 +134,20 @@ def _as_conv2d(module: nn.Module) -> nn.Module:
     export about 1.3x faster than the 1-D graph on one core.
     """
     for name, child in module.named_children():
+        conv: nn.Conv2d | nn.ConvTranspose2d
         if isinstance(child, nn.ConvTranspose1d):
             conv = nn.ConvTranspose2d(child.in_channels, child.out_channels, (1, child.kernel_size[0]),
-                                      (1, child.stride[0]), padding=(0, child.padding[0]))
+                                      (1, child.stride[0]), padding=(0, int(child.padding[0])))
         elif isinstance(child, nn.Conv1d):
             conv = nn.Conv2d(child.in_channels, child.out_channels, (1, child.kernel_size[0]),
-                             dilation=(1, child.dilation[0]), padding=(0, child.padding[0]))
+                             dilation=(1, child.dilation[0]), padding=(0, int(child.padding[0])))
         else:
             _as_conv2d(child)
             continue
         conv = conv.to(device=child.weight.device, dtype=child.weight.dtype)
         conv.weight.data = child.weight.data.unsqueeze(2)
-        conv.bias.data = child.bias.data
+        if conv.bias is not None and child.bias is not None:
+            conv.bias.data = child.bias.data
         setattr(module, name, conv)
     return module
 
@@ -193,14 +196,15 @@ def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False,
     dtype = torch.float16 if fp16 else torch.float32
     generator = load_generator(checkpoint, device=device, dtype=dtype)
     if stream is None:
-        wrapper = _ExportWrapper(generator, fp16).eval()
-        dummy = (torch.zeros(1, checkpoint.config.num_mels, 2, device=device),)
-        names = dict(input_names=["mel"], output_names=["audio"],
+        wrapper: nn.Module = _ExportWrapper(generator, fp16).eval()
+        dummy: tuple[torch.Tensor, ...] = (torch.zeros(1, checkpoint.config.num_mels, 2, device=device),)
+        names: dict[str, Any] = dict(input_names=["mel"], output_names=["audio"],
                      dynamic_axes={"mel": {0: "batch", 2: "frames"},
                                    "audio": {0: "batch", 1: "samples"}})
     else:
-        wrapper = _StreamExportWrapper(generator, fp16, stream == "final")
-        state = wrapper.streamer.initial_state(1, dtype, device)
+        stream_wrapper = _StreamExportWrapper(generator, fp16, stream == "final")
+        state = stream_wrapper.streamer.initial_state(1, dtype, device)
+        wrapper = stream_wrapper
         # enough frames that every layer of the step graph produces output
         frames = checkpoint.config.receptive_field[1] + 4
         dummy = (torch.zeros(1, checkpoint.config.num_mels, frames, device=device), *state)
@@ -283,7 +287,7 @@ class OnnxBackend(Backend):
             providers.insert(0, ("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"}))
         self._opts, self._providers = opts, providers
         self.session = ort.InferenceSession(str(self.model_path), opts, providers=providers)
-        self._stream_sessions = None  # (step, final), built on first use
+        self._stream_sessions: tuple[Any, ...] | None = None  # (step, final), built on first use
 
     def _export_path(self, stream: str | None = None) -> Path:
         precision = "fp16" if self.fp16 else "fp32"

@@ -73,7 +73,10 @@ class Batcher:
         decide time to first audio, so while any is waiting a forward takes first jobs only."""
         firsts = any(p.job.index == 0 for p in live)
         limit = self.max_first_batch if firsts else self.max_batch
-        batch, rest, streams, frames = [], [], set(), 0
+        batch: list[_Pending] = []
+        rest: list[_Pending] = []
+        streams: set[int] = set()
+        frames = 0
         for p in live:  # arrival order
             stream = id(p.job.stream)
             fits = frames + p.job.work_frames <= self.max_batch_frames or not batch

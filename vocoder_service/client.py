@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import grpc
 import numpy as np
 
-from splittts.vocoder.v1 import vocoder_pb2 as pb
-from splittts.vocoder.v1 import vocoder_pb2_grpc
+from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 
 
 @dataclass

@@ -60,7 +60,7 @@ class HifiGanConfig:
                 "the generator would not produce hop_size samples per mel frame; fix config.json")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HifiGanConfig":
+    def from_dict(cls, data: dict[str, Any]) -> HifiGanConfig:
         """Build from a parsed config.json; training-only keys are ignored."""
         known = {f.name for f in fields(cls)}
         missing = [k for k in _REQUIRED if k not in data]
@@ -74,7 +74,7 @@ class HifiGanConfig:
         return cls(**kw)
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "HifiGanConfig":
+    def from_json(cls, path: str | Path) -> HifiGanConfig:
         """Read a jik876-style config.json."""
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
@@ -194,7 +194,7 @@ class Generator(nn.Module):
         x = self.conv_post(F.leaky_relu(x, 0.01))
         return torch.tanh(x)
 
-    def remove_weight_norm(self) -> "Generator":
+    def remove_weight_norm(self) -> Generator:
         """Fold weight norm into plain weights (for inference and export); idempotent."""
         for m in self.modules():
             if parametrize.is_parametrized(m, "weight"):

@@ -15,7 +15,7 @@ _BREAK_HZ = 1000.0
 _LOGSTEP = math.log(6.4) / 27.0
 
 
-def hz_to_mel(hz: np.ndarray) -> np.ndarray:
+def hz_to_mel(hz: np.ndarray | float) -> np.ndarray:
     """Slaney mel scale: linear below 1 kHz, logarithmic above."""
     hz = np.asarray(hz, dtype=np.float64)
     linear = hz / _F_SP

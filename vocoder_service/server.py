@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -13,8 +14,7 @@ import numpy as np
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted
 from servicekit.flow import AheadBudget
 from servicekit.logs import log_event, trace_id
-from splittts.vocoder.v1 import vocoder_pb2 as pb
-from splittts.vocoder.v1 import vocoder_pb2_grpc
+from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from vocoder_service import metrics
 from vocoder_service.backends import Backend
 from vocoder_service.batcher import Batcher
@@ -22,6 +22,9 @@ from vocoder_service.stream import ChunkPolicy, VocoderStream
 from vocoder_service.voice import VocoderVoice
 
 log = logging.getLogger(__name__)
+
+_VocodeContext = grpc.aio.ServicerContext[pb.VocodeRequest, pb.VocodeResponse]
+_InfoContext = grpc.aio.ServicerContext[pb.GetInfoRequest, pb.VocoderInfo]
 
 _END = object()
 
@@ -120,7 +123,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         for batcher in self._batchers.values():
             await batcher.close()
 
-    async def GetInfo(self, request, context):
+    async def GetInfo(self, request: pb.GetInfoRequest,
+                      context: _InfoContext) -> pb.VocoderInfo:
         """Voices, backend and streams in flight."""
         backend = self.backends[self.default_voice]
         return pb.VocoderInfo(
@@ -134,7 +138,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             receptive_field_frames=max(backend.receptive_field),
             max_chunk_frames=self.limits.max_chunk_frames)
 
-    async def Vocode(self, request_iterator, context):
+    async def Vocode(self, request_iterator: AsyncIterator[pb.VocodeRequest],
+                     context: _VocodeContext) -> AsyncIterator[pb.VocodeResponse]:
         """Stream audio for a stream of speech tokens or mel frames."""
         requests = request_iterator.__aiter__()
         try:

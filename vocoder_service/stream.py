@@ -72,7 +72,7 @@ class ChunkPolicy:
 class Job:
     """One window of mel to vocode for one stream."""
 
-    stream: "VocoderStream"
+    stream: VocoderStream
     index: int
     mel: np.ndarray  # [num_mels, window_frames] float32
     window_start: int  # absolute frame of mel[:, 0]
@@ -131,7 +131,7 @@ class VocoderStream:
                  stateful: bool = False):
         self.config = config
         self.stateful = stateful
-        self.state = None  # stateful: the generator's carried tails (None: a fresh start)
+        self.state: list | None = None  # stateful: the generator's carried tails (None: a fresh start)
         self.policy = policy or ChunkPolicy()
         self.token_decoder = token_decoder
         self.stream_id = stream_id if stream_id is not None else f"stream-{next(_stream_ids)}"

@@ -25,25 +25,26 @@ blocked layout (see `backends._as_conv2d`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vocoder_service.hifigan import LRELU_SLOPE, Generator, ResBlock1
+from vocoder_service.hifigan import LRELU_SLOPE, Generator, ResBlock1, ResBlock2
 
 
 class _Layer:
     """A conv's weights as height-1 2-D kernels."""
 
-    def __init__(self, conv: nn.Module):
+    def __init__(self, conv: Any):  # a generator's (transposed) conv, 1-D or as 2-D
         w = conv.weight.detach()
         self.weight = w if w.dim() == 4 else w.unsqueeze(2)
         self.bias = conv.bias.detach()
 
 
 class _Conv(_Layer):
-    def __init__(self, conv: nn.Module):
+    def __init__(self, conv: Any):
         super().__init__(conv)
         self.dilation = conv.dilation[-1]
         self.half = (conv.kernel_size[-1] - 1) * self.dilation // 2
@@ -60,10 +61,10 @@ class _Conv(_Layer):
 
 
 class _ConvTranspose(_Layer):
-    def __init__(self, conv: nn.Module):
+    def __init__(self, conv: Any):
         super().__init__(conv)
         self.stride = conv.stride[-1]
-        self.padding = conv.padding[-1]
+        self.padding = int(conv.padding[-1])
         self.history = math.ceil(conv.kernel_size[-1] / self.stride) - 1  # input columns kept
 
     def initial(self, batch: int, dtype, device) -> list[Tensor]:
@@ -110,11 +111,11 @@ class StreamingGenerator(nn.Module):
         self.conv_pre = _Conv(g.conv_pre)
         self.conv_post = _Conv(g.conv_post)
         self.ups = [_ConvTranspose(u) for u in g.ups]
-        self.blocks = []  # per resblock: list of residual units, each a list of convs
+        self.blocks: list[list[list[_Conv]]] = []  # per resblock: list of residual units, each a list of convs
         for rb in g.resblocks:
             if isinstance(rb, ResBlock1):
                 self.blocks.append([[_Conv(c1), _Conv(c2)] for c1, c2 in zip(rb.convs1, rb.convs2)])
-            else:
+            elif isinstance(rb, ResBlock2):
                 self.blocks.append([[_Conv(c)] for c in rb.convs])
         # within a stage the block with the widest kernels lags most
         lags = [sum(c.half for unit in b for c in unit) for b in self.blocks[:self.num_kernels]]
@@ -137,7 +138,7 @@ class StreamingGenerator(nn.Module):
 
     def forward(self, mel: Tensor, state: list[Tensor], final: bool = False
                 ) -> tuple[Tensor, list[Tensor]]:
-        it, out = iter(state), []
+        it, out = iter(state), list[Tensor]()
         x = self.conv_pre(mel, next(it), final, out)
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, LRELU_SLOPE), next(it), next(it), final, out)

@@ -63,7 +63,7 @@ class TokenDecoderConfig:
         return sum(layer.kernel_size - 1 - layer.lookahead for layer in self.layers)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TokenDecoderConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TokenDecoderConfig:
         """Parse `token_decoder.json`; derived `lookahead`/`left_context`, if present, must match."""
         try:
             config = cls(codebook_size=int(data["codebook_size"]), num_mels=int(data.get("num_mels", 80)),

@@ -7,8 +7,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.frontend.g2p import (HAN, EspeakG2P, G2P, G2PError, PassthroughG2P, build_g2p,
-                                       to_pinyin)
+from orchestrator.frontend.g2p import (
+    G2P,
+    HAN,
+    EspeakG2P,
+    G2PError,
+    PassthroughG2P,
+    build_g2p,
+    to_pinyin,
+)
 from orchestrator.frontend.normalize_en import normalize_en
 from orchestrator.frontend.normalize_zh import normalize_zh
 from orchestrator.frontend.segment import StreamingSegmenter, split_sentences, text_units

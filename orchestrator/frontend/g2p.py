@@ -117,7 +117,8 @@ class EspeakG2P:
 
 def _chunks(text: str) -> list[str]:
     """Pieces of at most _MAX_LINE_BYTES UTF-8 bytes, cut at spaces where possible."""
-    out, current = [], ""
+    out: list[str] = []
+    current = ""
     for word in text.split():
         while len(word.encode()) > _MAX_LINE_BYTES:
             cut = _MAX_LINE_BYTES // 4  # characters take at most 4 bytes

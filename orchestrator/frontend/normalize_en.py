@@ -313,13 +313,18 @@ _RULES: tuple[tuple[re.Pattern, object], ...] = tuple((re.compile(p, f), r) for 
 ))
 
 
+_PUNCTUATION_MAP: dict[str, str | int | None] = {
+    "‘": "'", "’": "'", "“": '"', "”": '"', "—": ", ", "…": "...", "\t": " ", "\n": " ",
+    "\r": " "}
+_PUNCTUATION = str.maketrans(_PUNCTUATION_MAP)
+
+
 def normalize_en(text: str) -> str:
     """English text with every number, date, amount, unit, abbreviation and symbol in words."""
     text = re.sub(r"(\d)\s?([½¼¾⅓⅔])", lambda m: f"{m[1]} and {_VULGAR[m[2]]}", text)
     text = "".join(f" {_VULGAR[c]} " if c in _VULGAR else c for c in text)
     text = unicodedata.normalize("NFKC", text).replace("\u2044", "/")
-    text = text.translate(str.maketrans({"‘": "'", "’": "'", "“": '"', "”": '"', "—": ", ",
-                                         "…": "...", "\t": " ", "\n": " ", "\r": " "}))
+    text = text.translate(_PUNCTUATION)
     for pattern, repl in _RULES:
         text = pattern.sub(repl, text)
     text = _ABBREV_RE.sub(_abbreviation, text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _DIGITS = "零一二三四五六七八九"
 # measure words (and number units) after which a lone 2 is read 两
@@ -98,7 +99,7 @@ _UNIT_PATTERN = (rf"(-?(?:{_NUM}))\s?("
                  + "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True))
                  + r")(?![A-Za-z/])")
 
-_RULES: tuple[tuple[re.Pattern, object], ...] = tuple((re.compile(p), r) for p, r in (
+_RULES: tuple[tuple[re.Pattern, Any], ...] = tuple((re.compile(p), r) for p, r in (
     (r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|(?:https?://)?(?:www\.)?[\w-]+(?:\.[\w-]+)*"
      r"\.(?:com|cn|org|net|io|edu|gov)\b(?:/[\w./-]*)?",
      lambda m: re.sub(r"^https?://", "", m[0]).replace(".", "点").replace("@", "艾特")

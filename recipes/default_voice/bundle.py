@@ -12,7 +12,14 @@ import numpy as np
 
 from recipes.default_voice.config import RecipeConfig
 from recipes.default_voice.evaluate import chosen_decoding
-from recipes.default_voice.lm import BOS, CHAR_BASE, EOS, PROMPT_TEMPLATE, SPEECH_START, build_tokenizer
+from recipes.default_voice.lm import (
+    BOS,
+    CHAR_BASE,
+    EOS,
+    PROMPT_TEMPLATE,
+    SPEECH_START,
+    build_tokenizer,
+)
 from recipes.default_voice.teacher import SAMPLE_RATE
 from vocoder_service.token_decoder import save_token_decoder
 

@@ -14,8 +14,14 @@ import numpy as np
 from recipes.default_voice import natural
 from recipes.default_voice.config import RecipeConfig
 from recipes.default_voice.corpus import chinese_corpus, english_corpus, to_pinyin
-from recipes.default_voice.teacher import (SAMPLE_RATE, EspeakLib, Utterance, durations_for, flite_synth,
-                                           trim_bounds)
+from recipes.default_voice.teacher import (
+    SAMPLE_RATE,
+    EspeakLib,
+    Utterance,
+    durations_for,
+    flite_synth,
+    trim_bounds,
+)
 
 ESPEAK_VOICES = {"en": "en-us", "zh": "cmn-latn-pinyin"}
 _worker: dict = {}

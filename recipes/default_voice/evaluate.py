@@ -225,7 +225,7 @@ def table(report: dict) -> str:
              "phoneme-copy error | runaway |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         def f(key: str, fmt: str) -> str:
-            return format(r[key], fmt) if key in r else "-"
+            return format(r[key], fmt) if key in r else "-"  # noqa: B023 - this row only
         out_of_range = f"{r['below_half']} / {r['above_2x']} of {r['n_generated']}" if "below_half" in r else "-"
         runaway = f"{r['runaway']}/{r['n_generated']}" if "runaway" in r else "-"
         lines.append(f"| {r['set']} | {r['system']} | {r['n']} | {f('wer', '.1%')} | {f('dnsmos', '.2f')} | "

@@ -54,7 +54,15 @@ def normalize_phonemes(text: str) -> str:
 
 def build_tokenizer(codebook_size: int):
     """A character-level `tokenizers.Tokenizer`: specials, ASCII phoneme characters, speech tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for i, ch in enumerate(CHARS):

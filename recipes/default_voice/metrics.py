@@ -34,7 +34,7 @@ def write_arpa(sentences: list[str], path: Path, discount: float = 0.5) -> None:
         lines.append(f"{p:.4f} {w} {bo:.4f}")
     lines += ["", "\\2-grams:"]
     out_counts: Counter = Counter()
-    for (a, b), c in bi.items():
+    for (a, _), c in bi.items():
         out_counts[a] += c
     for (a, b), c in sorted(bi.items()):
         lines.append(f"{math.log10((c - discount) / out_counts[a]):.4f} {a} {b}")

@@ -132,7 +132,7 @@ def chinese_held_out(count: int, seed: int) -> list[str]:
     for path in sorted(LOCALE_ZH.glob("*.mo")):
         try:
             with path.open("rb") as f:
-                catalog = gettext.GNUTranslations(f)._catalog  # noqa: SLF001 - the parsed .mo
+                catalog = gettext.GNUTranslations(f)._catalog  # the parsed .mo
         except OSError:
             continue
         texts.extend(v for k, v in catalog.items() if isinstance(k, str) and k and isinstance(v, str))

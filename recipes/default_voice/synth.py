@@ -15,7 +15,14 @@ import numpy as np
 
 from orchestrator.phoneme_sync import SyncPlanner
 from recipes.default_voice.config import RecipeConfig
-from recipes.default_voice.lm import CHAR_BASE, EOS, PROMPT_TEMPLATE, SPEECH_START, max_new_tokens, prompt_ids
+from recipes.default_voice.lm import (
+    CHAR_BASE,
+    EOS,
+    PROMPT_TEMPLATE,
+    SPEECH_START,
+    max_new_tokens,
+    prompt_ids,
+)
 
 
 @dataclass(frozen=True)

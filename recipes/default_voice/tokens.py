@@ -14,8 +14,13 @@ import torch.nn.functional as F
 from recipes.default_voice.config import RecipeConfig
 from recipes.default_voice.data import load_split
 from recipes.default_voice.teacher import Utterance
-from vocoder_service.token_decoder import (ConvLayer, TokenDecoder, TokenDecoderConfig, load_token_decoder,
-                                           save_token_decoder)
+from vocoder_service.token_decoder import (
+    ConvLayer,
+    TokenDecoder,
+    TokenDecoderConfig,
+    load_token_decoder,
+    save_token_decoder,
+)
 
 TRAIN_SPLITS = ("en_train", "zh_train")
 EVAL_SPLITS = ("en_eval", "zh_eval")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from prometheus_client.core import REGISTRY, CollectorRegistry, GaugeMetricFamily
 
@@ -82,7 +83,7 @@ class DeviceCollector:
             if self._stop.wait(self.interval_s):
                 return
 
-    def start(self) -> "DeviceCollector":
+    def start(self) -> DeviceCollector:
         """Start the reading thread (a daemon: it never holds up shutdown)."""
         self._thread = threading.Thread(target=self._run, name="device-telemetry", daemon=True)
         self._thread.start()

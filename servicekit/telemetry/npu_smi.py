@@ -123,9 +123,9 @@ def samples(chips: list[Chip], usages: dict[tuple[str, str], dict[str, str]]) ->
     for c in chips:
         labels = {"device": c.npu if c.chip == "0" else f"{c.npu}-{c.chip}", "model": c.name}
 
-        def add(name: str, help: str, value: float | None) -> None:
+        def add(name: str, help: str, value: float | None) -> None:  # used in this iteration only
             if value is not None:
-                out.append(Sample(name, help, value, labels))
+                out.append(Sample(name, help, value, labels))  # noqa: B023
 
         add(METRICS[0], "1 when npu-smi reports the chip's health OK, else 0.",
             1.0 if c.health in HEALTHY else 0.0)

@@ -20,7 +20,9 @@ class NvmlSource:
 
     def __init__(self, nvml: Any = None):
         if nvml is None:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         self.nvml = nvml
         nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
@@ -70,9 +72,9 @@ class NvmlSource:
         self._drain_xids()
         out = []
         for i, (handle, labels) in enumerate(zip(self.handles, self.labels)):
-            def add(name: str, help: str, value: float | None) -> None:
+            def add(name: str, help: str, value: float | None) -> None:  # this iteration only
                 if value is not None:
-                    out.append(Sample(name, help, float(value), labels))
+                    out.append(Sample(name, help, float(value), labels))  # noqa: B023
 
             add(METRICS[0], "GPU temperature (C).",
                 self._optional(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU))

@@ -1,4 +1,5 @@
 """Model classes by HF ``model_type`` and construction on a device."""
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -13,7 +14,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 }
 
 
-def get_model_class(config) -> type[CausalLM]:
+def get_model_class(config) -> Callable[..., CausalLM]:
     """The class implementing ``config.model_type``; raises ValueError for unsupported types."""
     try:
         return MODEL_REGISTRY[config.model_type]

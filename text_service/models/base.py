@@ -1,10 +1,12 @@
 """What every causal LM here shares: embeddings, LM head (tied or not), logits, cache layout."""
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from text_service.context import get_context
 from text_service.models.cache import KVCacheSpec, LinearStateSpec
-from text_service.models.layers import Linear
+from text_service.models.layers import Linear, PagedAttention
 
 
 class CausalLM(nn.Module):
@@ -19,6 +21,7 @@ class CausalLM(nn.Module):
     packed_modules_mapping: dict[str, tuple[str, int]] = {}
     checkpoint_renames: dict[str, str] = {}
     ignored_checkpoint_prefixes: tuple[str, ...] = ()
+    model: Any  # built by the subclass: embed_tokens, layers, norm, ops
 
     def __init__(self, config, ops) -> None:
         super().__init__()
@@ -55,11 +58,11 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def attention_layers(self) -> dict[int, nn.Module]:
+    def attention_layers(self) -> dict[int, PagedAttention]:
         """Layer index -> module that holds ``k_cache``/``v_cache`` (full-attention layers)."""
         return {i: layer.self_attn.attn for i, layer in enumerate(self.model.layers) if hasattr(layer, "self_attn")}
 
-    def linear_attention_layers(self) -> dict[int, nn.Module]:
+    def linear_attention_layers(self) -> dict[int, Any]:  # Gated DeltaNet mixers
         """Layer index -> module that holds ``conv_state``/``ssm_state`` (Gated DeltaNet layers)."""
         return {i: layer.linear_attn for i, layer in enumerate(self.model.layers) if hasattr(layer, "linear_attn")}
 

@@ -1,8 +1,14 @@
 """Per-layer cache shapes, their cost in bytes, and attaching freshly allocated pools to a model."""
+
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from text_service.models.base import CausalLM
 
 
 @dataclass(frozen=True)
@@ -45,18 +51,18 @@ class LinearStateSpec:
         return conv + ssm
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
     """Bytes one KV block costs summed over all full-attention layers."""
     return sum(spec.bytes_per_block(block_size) for spec in model.kv_cache_specs().values())
 
 
-def state_bytes_per_slot(model: nn.Module) -> int:
+def state_bytes_per_slot(model: CausalLM) -> int:
     """Bytes one sequence state slot costs summed over all linear-attention layers."""
     return sum(spec.bytes_per_slot() for spec in model.state_specs().values())
 
 
 def allocate_caches(
-    model: nn.Module, *, num_blocks: int, block_size: int, num_slots: int, device: torch.device | str
+    model: CausalLM, *, num_blocks: int, block_size: int, num_slots: int, device: torch.device | str
 ) -> None:
     """Allocate zeroed pools for every layer and attach them (k_cache/v_cache, conv_state/ssm_state)."""
     kv_specs, state_specs = model.kv_cache_specs(), model.state_specs()
@@ -66,12 +72,12 @@ def allocate_caches(
         attn.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         attn.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
     for idx, mixer in model.linear_attention_layers().items():
-        spec = state_specs[idx]
-        mixer.conv_state = torch.zeros(spec.conv_shape(num_slots), dtype=spec.conv_dtype, device=device)
-        mixer.ssm_state = torch.zeros(spec.ssm_shape(num_slots), dtype=spec.ssm_dtype, device=device)
+        state = state_specs[idx]
+        mixer.conv_state = torch.zeros(state.conv_shape(num_slots), dtype=state.conv_dtype, device=device)
+        mixer.ssm_state = torch.zeros(state.ssm_shape(num_slots), dtype=state.ssm_dtype, device=device)
 
 
-def copy_state_slots(model: nn.Module, src: list[int], dst: list[int]) -> None:
+def copy_state_slots(model: CausalLM, src: list[int], dst: list[int]) -> None:
     """Copy conv and recurrent state from slot ``src[i]`` to ``dst[i]`` in every linear-attention layer."""
     if len(src) != len(dst):
         raise ValueError(f"src and dst slot lists differ in length ({len(src)} != {len(dst)})")

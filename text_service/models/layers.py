@@ -14,7 +14,7 @@ from text_service.context import Context, get_context
 from text_service.models.cache import KVCacheSpec
 
 
-def default_weight_loader(param: nn.Parameter, loaded: Tensor) -> None:
+def default_weight_loader(param: Tensor, loaded: Tensor) -> None:
     """Copy a checkpoint tensor of exactly the parameter's shape."""
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
@@ -23,7 +23,7 @@ def default_weight_loader(param: nn.Parameter, loaded: Tensor) -> None:
 
 def new_parameter(*shape: int) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    param.weight_loader = default_weight_loader
+    param.weight_loader = default_weight_loader  # type: ignore[attr-defined]  # read by loader
     return param
 
 
@@ -54,9 +54,9 @@ class MergedLinear(Linear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, ops) -> None:
         super().__init__(input_size, sum(output_sizes), bias, ops=ops)
         self.output_sizes = list(output_sizes)
-        self.weight.weight_loader = self.shard_loader
+        self.weight.weight_loader = self.shard_loader  # type: ignore[attr-defined]
         if self.bias is not None:
-            self.bias.weight_loader = self.shard_loader
+            self.bias.weight_loader = self.shard_loader  # type: ignore[attr-defined]
 
     def shard_loader(self, param: nn.Parameter, loaded: Tensor, shard_id: int) -> None:
         """Copy checkpoint projection number ``shard_id`` into its rows of the fused parameter."""
@@ -208,6 +208,10 @@ class PagedAttention(nn.Module):
 
 class PreNormDecoderLayer(nn.Module):
     """Norm, token mixer (attention of some kind), norm, MLP, with the residual carried along."""
+
+    input_layernorm: nn.Module  # the subclass builds these four
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
 
     def mix(self, positions: Tensor, x: Tensor) -> Tensor:
         raise NotImplementedError

@@ -6,11 +6,11 @@ import kernels
 from text_service.models.base import CausalLM
 from text_service.models.layers import (
     DecoderModel,
-    PreNormDecoderLayer,
     GatedMLP,
     Linear,
     MergedLinear,
     PagedAttention,
+    PreNormDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     rope_settings,

@@ -9,12 +9,12 @@ from text_service.models.base import CausalLM
 from text_service.models.cache import LinearStateSpec
 from text_service.models.layers import (
     DecoderModel,
-    PreNormDecoderLayer,
     GatedMLP,
     GatedRMSNorm,
     Linear,
     MergedLinear,
     PagedAttention,
+    PreNormDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     new_parameter,
