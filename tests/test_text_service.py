@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2
 from splittts.text.v1 import text_pb2 as pb, text_pb2_grpc
 from tests.hf_models import make_tiny_model
 from tests.procs import ServiceProcess, metric_value
+from text_service.server import StreamChunks
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 VOCAB = 256
@@ -72,17 +73,31 @@ def test_greedy_stream_equals_offline_engine(service, model_dir):
     assert 0 < t.ttft_ms <= t.total_ms and t.decode_ms > 0 and t.mean_itl_ms > 0
 
 
-def test_stream_chunk_tokens_after_an_immediate_first_token(service):
+def test_stream_chunks_ramp_up_after_an_immediate_first_token(service):
     prompt = pb.TokenIds(ids=[5, 17, 42, 99])
     plain, _, _ = generate(service, token_ids=prompt, max_tokens=40, ignore_eos=True)
     tokens, last, responses = generate(service, token_ids=prompt, max_tokens=40, ignore_eos=True,
                                        stream_chunk_tokens=20)
     sizes = [len(r.token_ids) for r in responses[:-1]]
     assert tokens == plain and sum(sizes) == 40
-    # the first message leaves with whatever the first step(s) made, not after 20 tokens
+    # the first message leaves with whatever the first step(s) made, not after 20 tokens; then
+    # messages wait for at least 2, 4, 8, 16, then 20 tokens (the last takes what is left)
     assert sizes[0] < 20 and len(sizes) >= 2
-    assert all(n >= 20 for n in sizes[1:-1])
+    assert all(n >= min(20, 2 ** i) for i, n in enumerate(sizes[:-1]))
     assert [r.first_token_index for r in responses[:-1]] == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def test_stream_chunk_sizes_ramp_from_one_token_to_the_most():
+    chunks, sizes, pending = StreamChunks(8), [], 0
+    for _ in range(40):  # one token per engine step
+        pending += 1
+        if chunks.ready(pending, done=False):
+            sizes.append(pending)
+            pending = 0
+            chunks.sent()
+    assert sizes == [1, 2, 4, 8, 8, 8, 8] and pending == 1
+    assert chunks.ready(1, done=True) and not chunks.ready(0, done=True)
+    assert [StreamChunks(n).most for n in (0, 1, -3)] == [1, 1, 1]
 
 
 def test_stop_ids_allowed_range_and_seed(service):

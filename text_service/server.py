@@ -70,6 +70,22 @@ def _phoneme_sync(request: pb.GenerateRequest) -> PhonemeSync | None:
         max_tokens=tuple(m.max_tokens) if m.max_tokens else (m.max_tokens_per_phoneme,) * n)
 
 
+class StreamChunks:
+    """When a Generate stream's pending tokens leave: the first token at once (it is the TTFT),
+    then messages of at least 2, 4, ... tokens up to `most`. The tokens the first audio waits
+    for are not held back behind a full message, and later tokens travel in few messages."""
+
+    def __init__(self, most: int):
+        self.most = max(1, most)
+        self.target = 1
+
+    def ready(self, pending: int, done: bool) -> bool:
+        return pending > 0 and (pending >= self.target or done)
+
+    def sent(self) -> None:
+        self.target = min(self.most, 2 * self.target)
+
+
 class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
     """Generate streams token chunks as they are sampled; cancelling the call aborts it."""
 
@@ -153,7 +169,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         except ValueError as exc:
             raise InvalidArgument(f"request_id: {exc}") from None
         metrics.PROMPT_TOKENS.inc(len(prompt))
-        chunk = max(1, request.stream_chunk_tokens)
+        chunks = StreamChunks(request.stream_chunk_tokens)
         sent, pending, token_times = 0, [], []
         first_sent = last_event = None
         seq = None
@@ -166,13 +182,13 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     token_times.extend([ev.time] * len(ev.token_ids))
                     seq, last_event = ev.seq, ev
                 done = last_event is not None and last_event.finished
-                # the first token goes at once (it is the TTFT); later ones in chunks
-                if pending and (len(pending) >= chunk or done or first_sent is None):
+                if chunks.ready(len(pending), done):
                     yield pb.GenerateResponse(token_ids=pending, first_token_index=sent)
                     if first_sent is None:
                         first_sent = time.perf_counter()
                     sent += len(pending)
                     pending = []
+                    chunks.sent()
                 if done:
                     break
         except asyncio.CancelledError:
