@@ -120,8 +120,9 @@ class LocalDeployment:
                  host: str = "127.0.0.1", quiet: bool = True, text_args: list[str] | None = None,
                  vocoder_args: list[str] | None = None, cpus: dict[str, set[int]] | None = None,
                  http_port: int = -1, tls_dir: str | Path | None = None,
-                 orchestrator_args: list[str] | None = None):
+                 orchestrator_args: list[str] | None = None, env: dict | None = None):
         self.voice_dir = Path(voice_dir)
+        self.env = env  # added to every service's environment (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)
         # mutual TLS between the services and TLS on the public port, with a private CA and
         # certificates made in tls_dir when missing (servicekit.certs)
         self.tls_dir = Path(tls_dir) if tls_dir is not None else None
@@ -161,14 +162,14 @@ class LocalDeployment:
                                  ["--model", str(self.voice_dir / "lm"), *self._threads("text"),
                                   *self._tls("text-service"), *self.text_args], port=self.ports[1],
                                  metrics_port=self.metrics_ports[1], host=self.host,
-                                 quiet=self.quiet, cpus=self.cpus.get("text"))
+                                 quiet=self.quiet, env=self.env, cpus=self.cpus.get("text"))
             self.processes.append(text)
             vocoder = start_service("vocoder-service", "vocoder_service",
                                     ["--voice", str(self.voice_dir), *self._threads("vocoder"),
                                      *self._tls("vocoder-service"), *self.vocoder_args],
                                     port=self.ports[2],
                                     metrics_port=self.metrics_ports[2], host=self.host,
-                                    quiet=self.quiet, cpus=self.cpus.get("vocoder"))
+                                    quiet=self.quiet, env=self.env, cpus=self.cpus.get("vocoder"))
             self.processes.append(vocoder)
             orch = start_service("orchestrator", "orchestrator",
                                  ["--voice", str(self.voice_dir), "--text-service", text.address,
@@ -176,7 +177,7 @@ class LocalDeployment:
                                   "--http-port", str(self.http_port), *self._tls("orchestrator"),
                                   *self.orchestrator_args], port=self.ports[0],
                                  metrics_port=self.metrics_ports[0], host=self.host,
-                                 quiet=self.quiet, cpus=self.cpus.get("orchestrator"))
+                                 quiet=self.quiet, env=self.env, cpus=self.cpus.get("orchestrator"))
             self.processes.append(orch)
         except BaseException:
             self.stop()

@@ -23,6 +23,7 @@ from orchestrator.phoneme_sync import SyncPlan, SyncPlanner
 from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.voices import VoiceSpec
 from orchestrator.word_timings import word_spans
+from servicekit import tracing
 from servicekit.errors import InvalidArgument, StatusError
 from servicekit.flow import AheadBudget
 from splittts.text.v1 import text_pb2, text_pb2_grpc
@@ -67,11 +68,6 @@ class SynthesisRequest:
         return f"{self.request_id}.{self.call_id}"
 
 
-def child_traceparent(trace_id: str) -> tuple[tuple[str, str], ...]:
-    """W3C traceparent for a downstream call: same trace, a fresh span."""
-    return (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
-
-
 def downstream_error(service: str, replica: Replica | None,
                      exc: grpc.aio.AioRpcError) -> StatusError:
     """The caller's status for a failed downstream call; the replica's address goes to the log only."""
@@ -113,8 +109,8 @@ class _Segment:
 class VocodeSession:
     """The request's one Vocode stream, with send times kept for per-hop transit."""
 
-    def __init__(self, pool: ReplicaPool, voice: VoiceSpec, request_id: str, trace_id: str):
-        self.pool, self.voice, self.request_id, self.trace_id = pool, voice, request_id, trace_id
+    def __init__(self, pool: ReplicaPool, voice: VoiceSpec, request_id: str):
+        self.pool, self.voice, self.request_id = pool, voice, request_id
         self.replica: Replica | None = None
         self.call: _VocodeCall | None = None
         self.sent_at: list[float] = []
@@ -125,7 +121,7 @@ class VocodeSession:
         self.replica.in_flight += 1
         self._counted = True
         stub = vocoder_pb2_grpc.VocoderStub(self.replica.channel)
-        self.call = stub.Vocode(metadata=child_traceparent(self.trace_id))
+        self.call = stub.Vocode()  # the channel's interceptor adds the call's traceparent
         await self.write(vocoder_pb2.VocodeRequest(config=vocoder_pb2.VocodeConfig(
             voice=self.voice.name, input_kind=vocoder_pb2.INPUT_KIND_SPEECH_TOKENS,
             request_id=self.request_id)))
@@ -252,7 +248,7 @@ class Pipeline:
         outcome (the end, or the one error the caller should see) goes to the outbox."""
         out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz,
                           self._stretch(req))
-        vocoder = VocodeSession(self.vocoder_pool, req.voice, req.downstream_id, req.trace_id)
+        vocoder = VocodeSession(self.vocoder_pool, req.voice, req.downstream_id)
         in_vocoder = AheadBudget(_MAX_IN_VOCODER_S)
         try:
             await vocoder.open()
@@ -295,7 +291,8 @@ class Pipeline:
                 except StopAsyncIteration:
                     break
                 started = time.perf_counter()
-                segments = await asyncio.to_thread(self._prepare, frontend, text, req)
+                with tracing.span("frontend"):
+                    segments = await asyncio.to_thread(self._prepare, frontend, text, req)
                 tracker.frontend_ms += 1e3 * (time.perf_counter() - started)
                 for seg in segments:
                     await ready.put(seg)  # at most lookahead_segments wait ahead
@@ -387,7 +384,7 @@ class Pipeline:
                     stub = text_pb2_grpc.TextGenerationStub(replica.channel)
                     sent = time.perf_counter()
                     first_ms = None
-                    call = stub.Generate(request, metadata=child_traceparent(req.trace_id))
+                    call = stub.Generate(request)
                     try:
                         async for resp in call:
                             if not received:

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servicekit.errors import Unavailable
+from servicekit.tracing import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,12 @@ class Replica:
             ("grpc.max_reconnect_backoff_ms", 2000),
             # a DNS name with several addresses (a headless Service) spreads calls over them
             ("grpc.lb_policy_name", "round_robin")]
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=channel_options)
+        traced = client_interceptors()  # a CLIENT span and `traceparent` on each call
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=channel_options,
+                                                interceptors=traced)
                         if credentials is not None
-                        else grpc.aio.insecure_channel(address, options=channel_options))
+                        else grpc.aio.insecure_channel(address, options=channel_options,
+                                                       interceptors=traced))
         self.in_flight = 0
         self.healthy = True
 

@@ -15,8 +15,9 @@ from orchestrator.frontend import StreamingSegmenter, split_sentences
 from orchestrator.latency import LatencyTracker
 from orchestrator.pipeline import Pipeline, SynthesisRequest
 from orchestrator.voices import VoiceSpec
+from servicekit import tracing
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted, StatusError
-from servicekit.logs import log_event, trace_id
+from servicekit.logs import log_event
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                                 language=language, encoding=fmt.encoding,
                                 sample_rate_hz=fmt.output_rate if audio_config.sample_rate_hz else 0,
                                 speaking_rate=fmt.speaking_rate, sampling=params,
-                                trace_id=trace_id(context) or secrets.token_hex(16))
+                                trace_id=tracing.trace_id(context) or secrets.token_hex(16))
 
     def _admit(self) -> None:
         if self.in_flight >= self.max_in_flight:
@@ -162,6 +163,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
     async def _run(self, rpc: str, req: SynthesisRequest, texts, tracker: LatencyTracker):
         tracker.arrival = min(tracker.arrival, req.arrival)
+        tracing.annotate(**{"splittts.request_id": req.request_id, "splittts.voice": req.voice.name})
         self.in_flight += 1
         metrics.IN_FLIGHT.inc()
         status = "CANCELLED"
@@ -169,6 +171,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             async for msg in self.pipeline.synthesize(req, texts, tracker):
                 yield msg
             report = tracker.report()
+            report.trace_id = req.trace_id
             status = "OK"
             metrics.observe_report(report)
             log_event(log, "synthesis", request_id=req.request_id, rpc=rpc, voice=req.voice.name,

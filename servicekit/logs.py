@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import time
 
@@ -33,16 +32,3 @@ def configure_logging(level: str = "warning") -> None:
 def log_event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields) -> None:
     """Log `msg` with extra structured fields."""
     logger.log(level, msg, extra={"fields": fields})
-
-
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
-
-
-def trace_id(context) -> str | None:
-    """The W3C trace id of an incoming gRPC call's valid `traceparent` metadata, if any."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent":
-            m = _TRACEPARENT.match(value.strip().lower())
-            if m and m.group(1) != "0" * 32:
-                return m.group(1)
-    return None

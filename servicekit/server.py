@@ -21,10 +21,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from servicekit.errors import StartupError, as_status_error
-from servicekit.logs import trace_id
 from servicekit.telemetry.collector import start_device_metrics
 from servicekit.telemetry.serving import record_health
 from servicekit.tls import ServerTLS, warn_if_exposed
+from servicekit.tracing import server_interceptor, trace_id
 
 log = logging.getLogger(__name__)
 
@@ -167,16 +167,19 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     A servicer's `ready()` is polled every `ready_interval_s` once warm. A busy port raises
     StartupError before anything starts. With metrics, `device` (a --device value) adds the gauges
     of the card or host the service runs on. With `tls` the gRPC port (and the metrics port, with
-    the same certificate) is TLS, mutual when it has a client CA; `interceptors` run before the
-    error guard (e.g. authentication). `health_port` (0 picks one) serves grpc.health.v1 alone
-    in plaintext, for probes that cannot speak TLS; the serving line reports it.
+    the same certificate) is TLS, mutual when it has a client CA; `interceptors` run inside the
+    call's OpenTelemetry server span and before the error guard (e.g. authentication).
+    `health_port` (0 picks one) serves grpc.health.v1 alone in plaintext, for probes that cannot
+    speak TLS; the serving line reports it.
     """
     if metrics_port is not None and metrics_port < 0:
         metrics_port = None
     _check_port_free(host, port, "gRPC port")
     if metrics_port is not None:
         _check_port_free(host, metrics_port, "metrics port")
-    server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorInterceptor()], options=[
+    # the span first, so that it sees every outcome: a refused token, a mapped error
+    server = grpc.aio.server(interceptors=[server_interceptor(), *(interceptors or ()),
+                                           ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         # gRPC sets SO_REUSEPORT by default, which lets a second server share a busy port

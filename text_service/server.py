@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from servicekit import tracing
 from servicekit.errors import InvalidArgument, ResourceExhausted
-from servicekit.logs import log_event, trace_id
+from servicekit.logs import log_event
 from splittts.text.v1 import text_pb2 as pb, text_pb2_grpc
 from text_service import metrics
 from text_service.async_engine import AsyncEngine
@@ -162,6 +163,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         field, prompt = await self._prompt(request)
         params = self._params(request, field, len(prompt))
         request_id = request.request_id or uuid.uuid4().hex
+        tracing.annotate(**{"splittts.request_id": request_id})
         try:
             stream = self.engine.add(request_id, prompt, params)
         except CapacityError as exc:
@@ -218,11 +220,27 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             mean_itl_ms=decode_ms / (len(token_times) - 1) if len(token_times) > 1 else 0.0,
             total_ms=_ms(stream.arrival_time, end))
         self._observe(seq, timings, token_times)
+        self._trace(stream.arrival_time, seq, token_times)
         log_event(log, "request finished", request_id=request_id, prompt_tokens=len(prompt),
                   completion_tokens=sent, finish=seq.finish_reason, ttft_ms=round(timings.ttft_ms, 2),
-                  total_ms=round(timings.total_ms, 2), trace_id=trace_id(context))
+                  total_ms=round(timings.total_ms, 2), trace_id=tracing.trace_id(context))
         yield pb.GenerateResponse(first_token_index=sent, finish_reason=_FINISH.get(
             seq.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED), usage=usage, timings=timings)
+
+    @staticmethod
+    def _trace(arrival: float, seq, token_times: list[float]) -> None:
+        """Queue, prefill and decode as child spans of the call's, on the engine's own clock."""
+        scheduled, prefilled = seq.first_scheduled_time, seq.prefill_done_time
+        if scheduled is not None:
+            tracing.record_span("queue", arrival, scheduled)
+            if prefilled is not None:
+                tracing.record_span("prefill", scheduled, prefilled, **{
+                    "splittts.prompt_tokens": seq.num_prompt_tokens,
+                    "splittts.cached_prompt_tokens": seq.num_cached_tokens})
+        if token_times:
+            tracing.record_span("decode", token_times[0], token_times[-1], **{
+                "splittts.completion_tokens": len(token_times),
+                "splittts.preemptions": seq.num_preemptions})
 
     def _observe(self, seq, timings: pb.GenerateTimings, token_times: list[float]) -> None:
         metrics.TTFT.observe(timings.ttft_ms / 1e3)

@@ -21,6 +21,8 @@ class JobResult:
     compute_ms: float  # this job's share of its forward, by frames
     queue_ms: float  # submitted -> its forward started
     batch_size: int
+    started: float  # its forward's start and end, time.perf_counter()
+    finished: float
 
 
 @dataclass
@@ -108,7 +110,8 @@ class Batcher:
                         if not p.future.done():
                             p.future.set_exception(exc)
                     continue
-                seconds = time.perf_counter() - started
+                finished = time.perf_counter()
+                seconds = finished - started
                 if self.on_batch is not None:
                     self.on_batch(len(batch), seconds)
                 frames = sum(p.job.work_frames for p in batch)
@@ -116,4 +119,4 @@ class Batcher:
                     if not p.future.done():
                         p.future.set_result(JobResult(
                             a, 1e3 * seconds * p.job.work_frames / frames,
-                            1e3 * (started - p.submitted), len(batch)))
+                            1e3 * (started - p.submitted), len(batch), started, finished))

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from servicekit import tracing
 from servicekit.errors import InvalidArgument, NotFound, ResourceExhausted
 from servicekit.flow import AheadBudget
-from servicekit.logs import log_event, trace_id
+from servicekit.logs import log_event
 from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from vocoder_service import metrics
 from vocoder_service.backends import Backend
@@ -148,6 +149,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             raise InvalidArgument("stream ended before its config: the first message must "
                                   "be a VocodeConfig") from None
         voice, stream = self._open(first)
+        tracing.annotate(**{"splittts.request_id": first.config.request_id})
         if self.active_streams >= self.limits.max_streams:
             metrics.STREAMS.labels("rejected").inc()
             raise ResourceExhausted(f"{self.active_streams} streams already open (max_streams="
@@ -175,6 +177,9 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 if chunk.sequence_number == 0:
                     metrics.FIRST_AUDIO.observe(now - chunk.ready_at)
                 metrics.CHUNK_COMPUTE.observe(result.compute_ms / 1e3)
+                tracing.record_span("compute", result.started, result.finished, **{
+                    "splittts.frames": job.num_frames, "splittts.batch_size": result.batch_size,
+                    "splittts.compute_ms": result.compute_ms, "splittts.queue_ms": result.queue_ms})
                 summary.num_samples += chunk.num_samples
                 summary.num_frames += job.num_frames
                 summary.compute_ms += result.compute_ms
@@ -195,6 +200,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 metrics.RTF.observe((time.perf_counter() - started) / audio_s)
                 metrics.AUDIO_SECONDS.inc(audio_s)
             outcome = "ok"
+            tracing.annotate(**{"splittts.chunks": summary.num_chunks, "splittts.audio_s": audio_s,
+                                "splittts.compute_ms": summary.compute_ms})
             yield pb.VocodeResponse(summary=summary)
         except InvalidArgument:
             outcome = "invalid"
@@ -212,7 +219,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             log_event(log, "stream closed", stream=stream.stream_id, outcome=outcome,
                       samples=summary.num_samples, chunks=summary.num_chunks,
                       audio_ahead_peak_s=round(ahead.peak / voice.config.sampling_rate, 3),
-                      trace_id=trace_id(context))
+                      trace_id=tracing.trace_id(context))
 
     def _open(self, first: pb.VocodeRequest) -> tuple[VocoderVoice, VocoderStream]:
         if first.WhichOneof("payload") != "config":
