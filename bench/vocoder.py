@@ -36,8 +36,10 @@ import torch  # noqa: E402
 from servicekit.memory import retain_freed_memory  # noqa: E402
 from vocoder_service.backends import Backend, OnnxBackend, TorchBackend  # noqa: E402
 from vocoder_service.checkpoint import resolve_checkpoint  # noqa: E402
+from vocoder_service.chunking import ChunkPolicy  # noqa: E402
+from vocoder_service.jobs import vocode_jobs  # noqa: E402
 from vocoder_service.mel import MelSpectrogram  # noqa: E402
-from vocoder_service.stream import ChunkPolicy, VocoderStream, vocode_jobs  # noqa: E402
+from vocoder_service.stream import VocoderStream  # noqa: E402
 
 GOALS = {"ort_vs_torch": (">=", 1.5), "stream_overhead": ("<=", 1.3), "first_audio_ms": ("<=", 100.0)}
 TEXT = ("Streaming speech synthesis sends the first audio while the rest of the sentence is still "
