@@ -162,6 +162,21 @@ def test_stateful_boundary_emits_everything_and_the_stream_goes_on(backend, mel)
     assert snr_db(audio, offline_halves) >= 40  # two utterances, joined at the boundary
 
 
+def test_stateful_end_right_after_a_boundary(backend, mel):
+    """A boundary let everything out, so the end has no frames and a fresh state: its final
+    job carries only the end of the stream, and the generator is not called on nothing."""
+    stream = VocoderStream(backend.config, stateful=True)
+    stream.push_mel(mel[:, :30])
+    chunks = stream.step(backend)
+    stream.mark_boundary()
+    chunks += stream.step(backend)
+    stream.flush()
+    chunks += stream.step(backend)
+    assert stream.done and chunks[-1].num_samples == 0
+    audio = check_contiguous(chunks, 30 * HOP)
+    assert snr_db(audio, backend.run(mel[None, :, :30])[0]) >= 40
+
+
 def test_too_little_context_is_audible(backend, mel):
     """Guards the exactness tests: a window 4 frames short of the receptive field is off."""
     offline = backend.run(mel[None])[0]

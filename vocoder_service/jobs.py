@@ -62,7 +62,9 @@ def vocode_jobs(backend: Backend, jobs: list[Job], *, max_batch: int = 64,
     """
     out: list[np.ndarray | None] = [None] * len(jobs)
     for i, job in enumerate(jobs):  # in order: a stream's jobs build on each other's state
-        if job.stateful:
+        if job.stateful and job.final and job.window_frames == 0 and job.stream.state is None:
+            out[i] = np.zeros(0, np.float32)  # a fresh state holds nothing back
+        elif job.stateful:
             out[i], state = backend.run_stream(job.mel[None], job.stream.state, job.final)
             job.stream.state = None if job.final else state
     groups: list[tuple[int, list[int]]] = []  # (window length, job indices)
