@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vocoder_service.backends import TorchBackend
-from vocoder_service.chunking import ChunkPolicy, frames_within
+from vocoder_service.chunking import ChunkPolicy, frames_to_keep_up, frames_within
 from vocoder_service.jobs import vocode_jobs
 from vocoder_service.mel import MelSpectrogram
 from vocoder_service.playout import Pace, PlayoutClock
@@ -296,6 +296,14 @@ def test_chunk_schedule_follows_the_buffer():
     assert [policy.min_frames(i, pace=pace(4.0)) for i in range(6)] == [4, 8, 16, 32, 64, 64]
     assert [policy.min_frames(i) for i in range(6)] == [4, 8, 16, 32, 64, 64]  # no clock
     assert policy.limit(shared=True, pace=pace(4.0)) == 32
+    # windowed jobs also vocode 26 frames of context: a job must at least pay for it, twice
+    # over at a share of 0.5, even when the listener has run out
+    windowed = Pace(0.0, seconds_per_frame=tick / 4, frame_s=tick, overhead_frames=26)
+    assert frames_to_keep_up(windowed, 0.5) == 26
+    assert policy.limit(pace=windowed) == policy.min_frames(0, pace=windowed) == 26
+    assert frames_to_keep_up(Pace(0.0, tick / 2, tick, overhead_frames=26), 0.5) > 64
+    assert policy.limit(pace=Pace(0.0, tick / 2, tick, overhead_frames=26)) == 64  # the cap
+    assert frames_to_keep_up(pace(0.0), 0.5) == 0  # stateful jobs have no overhead
     # a job's compute is played out of the buffer, then its audio is in it
     assert pace(0.5, tick / 2).after(16).buffered_s == 0.5 - 16 * tick / 2 + 16 * tick
     assert pace(0.0).after(4).buffered_s == 4 * tick

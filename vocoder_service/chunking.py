@@ -21,8 +21,9 @@ class ChunkPolicy:
     job is vocoded before the listener runs out, using at most `buffer_share` of the audio it
     still holds: a job takes no more frames than it can vocode in that time (at the measured
     speed), and waits for no more than it can gather (at the playout rate) and vocode in it.
-    Never fewer than `first_chunk_frames`: chunks grow as the buffer grows and shrink when it
-    runs low.
+    Never fewer than `first_chunk_frames`, nor than a job needs for its audio to outlast its
+    compute (a window's context makes small windowed jobs cost more than they play): chunks
+    grow as the buffer grows and shrink when it runs low.
     """
 
     first_chunk_frames: int = 4
@@ -50,18 +51,22 @@ class ChunkPolicy:
 
     def limit(self, shared: bool = False, pace: Pace | None = None) -> int:
         """Most new frames in one job: the cap, and what can be vocoded in time under `pace`."""
-        return self._within(self.cap(shared), pace, gather=False)
+        cap = self.cap(shared)
+        if pace is None:
+            return cap
+        return max(self._floor(shared, pace), min(cap, frames_within(pace, self.buffer_share)))
 
     def min_frames(self, job_index: int, shared: bool = False, pace: Pace | None = None) -> int:
         """Fewest new frames job `job_index` waits for (the end of stream excepted)."""
-        size = self.first_chunk_frames * self.growth ** min(job_index, 64)
-        return self._within(int(min(self.limit(shared, pace), round(size))), pace, gather=True)
+        size = round(self.first_chunk_frames * self.growth ** min(job_index, 64))
+        if pace is not None:  # wait no longer than the buffer allows
+            size = min(size, frames_within(pace, self.buffer_share, gather=True))
+        return int(max(self._floor(shared, pace), min(self.limit(shared, pace), size)))
 
-    def _within(self, frames: int, pace: Pace | None, gather: bool) -> int:
-        if pace is None:
-            return frames
-        fit = frames_within(pace, self.buffer_share, gather)
-        return max(min(self.first_chunk_frames, frames), min(frames, fit))
+    def _floor(self, shared: bool, pace: Pace | None) -> int:
+        """Fewest frames a job takes: the first chunk's, and enough to keep up; at most the cap."""
+        keep_up = 0 if pace is None else frames_to_keep_up(pace, self.buffer_share)
+        return min(self.cap(shared), max(self.first_chunk_frames, keep_up))
 
 
 def frames_within(pace: Pace, share: float, gather: bool = False) -> int:
@@ -72,3 +77,15 @@ def frames_within(pace: Pace, share: float, gather: bool = False) -> int:
     if per_frame <= 0:
         return 1 << 30  # nothing measured: no bound
     return max(0, math.floor(budget / per_frame))
+
+
+def frames_to_keep_up(pace: Pace, share: float) -> int:
+    """Fewest frames n whose audio outlasts their compute `1 / share` times over: below that a
+    job spends more of the generator on its overhead (a window's context) than the listener
+    gains, and a stream that is short of audio falls further behind."""
+    if pace.overhead_frames == 0 or pace.seconds_per_frame == 0:
+        return 0
+    gain = share * pace.frame_s - pace.seconds_per_frame  # per frame of the job
+    if gain <= 0:
+        return 1 << 30  # the generator cannot keep up at all: the largest jobs waste least
+    return math.ceil(pace.overhead_frames * pace.seconds_per_frame / gain)
