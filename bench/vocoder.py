@@ -36,8 +36,10 @@ import torch
 from servicekit.memory import retain_freed_memory
 from vocoder_service.backends import Backend, OnnxBackend, TorchBackend
 from vocoder_service.checkpoint import resolve_checkpoint
+from vocoder_service.chunking import ChunkPolicy
+from vocoder_service.jobs import vocode_jobs
 from vocoder_service.mel import MelSpectrogram
-from vocoder_service.stream import ChunkPolicy, VocoderStream, vocode_jobs
+from vocoder_service.stream import VocoderStream
 
 GOALS = {"ort_vs_torch": (">=", 1.5), "stream_overhead": ("<=", 1.3), "first_audio_ms": ("<=", 100.0)}
 TEXT = ("Streaming speech synthesis sends the first audio while the rest of the sentence is still "

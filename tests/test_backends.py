@@ -1,6 +1,7 @@
 """Torch and ONNX Runtime backends: agreement, export cache, batching."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,6 +133,52 @@ def test_stateful_streaming_equals_offline(which, ort_backend, torch_backend, on
     if which == "ort":
         names = sorted(p.name for p in onnx_cache.iterdir() if "stream" in p.name)
         assert len(names) == 2 and names[0].endswith("-stream-final.onnx")
+
+
+def reference_mel(frames: int = 40) -> np.ndarray:
+    """A fixed log-mel `[1, 80, frames]` from closed-form sinusoids (no random number stream
+    that a library update could change)."""
+    m, t = np.arange(80)[:, None], np.arange(frames)[None, :]
+    mel = -3.5 + 1.8 * np.sin(0.21 * m + 0.47 * t) + 1.1 * np.cos(0.037 * m * t + 0.3 * t) - 0.02 * m
+    return mel.astype(np.float32)[None]
+
+
+def test_one_generator_definition_gives_the_same_audio_in_all_three_forms(ort_backend, torch_backend):
+    """Offline torch, stateful streaming chunk by chunk (torch, and the exported step and final
+    graphs in ONNX Runtime) and the offline ONNX export all derive from `Generator.forward`; each
+    gives the audio recorded from the pretrained generator before they did (commit f20b853,
+    when the three were written separately)."""
+    recorded = np.load(Path(__file__).parent / "fixtures" / "hifigan_universal_f20b853.npz")["audio"]
+    mel = reference_mel()
+    forms = {"torch offline": torch_backend.run(mel)[0], "onnx offline": ort_backend.run(mel)[0]}
+    for name, backend in (("torch", torch_backend), ("onnx", ort_backend)):
+        state, pieces, start = None, [], 0
+        for n, final in [(15, False), (1, False), (17, False), (7, True)]:
+            audio, state = backend.run_stream(mel[:, :, start:start + n], state, final)
+            pieces.append(audio)
+            start += n
+        forms[f"{name} streamed"] = np.concatenate(pieces)
+    assert np.abs(recorded).max() > 0.1  # not silence
+    for name, audio in forms.items():
+        assert audio.shape == recorded.shape, name
+        assert np.abs(audio - recorded).max() <= 1e-4, name
+
+
+def test_exports_run_height_one_2d_convolutions(ort_backend):
+    """ONNX Runtime's CPU provider only takes 4-D convs into its fast blocked layout: every conv
+    of both exported forms is 2-D with a kernel of height 1, its weights folded to constants."""
+    import onnx
+
+    ort_backend.run_stream(np.zeros((1, 80, 20), np.float32), None)  # exports the stream graphs
+    for path in (ort_backend.model_path, ort_backend._export_path("step")):
+        graph = onnx.load(str(path)).graph
+        convs = [n for n in graph.node if n.op_type in ("Conv", "ConvTranspose")]
+        assert len(convs) == 1 + 4 + 4 * 3 * 6 + 1  # pre, ups, resblocks' convs, post
+        constants = {i.name for i in graph.initializer}
+        for node in convs:
+            kernel = next(a.ints for a in node.attribute if a.name == "kernel_shape")
+            assert len(kernel) == 2 and kernel[0] == 1, node.name
+            assert node.input[1] in constants, node.name
 
 
 def test_stream_rejects_bad_shapes(ort_backend):

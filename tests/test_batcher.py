@@ -1,11 +1,14 @@
-"""The vocoder batcher: one job per stream per forward, a frame budget, cancelled jobs dropped."""
+"""The vocoder batcher: earliest playout deadline first, one job per stream per forward, a frame
+budget, cancelled jobs dropped."""
 
 import asyncio
+import time
 
 import numpy as np
 
 from vocoder_service.batcher import Batcher
-from vocoder_service.stream import ChunkPolicy, VocoderStream
+from vocoder_service.chunking import ChunkPolicy
+from vocoder_service.stream import VocoderStream
 
 
 class RecordingBackend:
@@ -28,6 +31,13 @@ def stream_with_jobs(config, frames: int):
     return s, s.ready()
 
 
+def playing(stream, runs_out_in_s: float):
+    """Give `stream` a listener whose audio runs out `runs_out_in_s` from now (negative: ran out
+    that long ago): one second of audio delivered at the right moment."""
+    stream.playout.deliver(stream.config.sampling_rate, time.perf_counter() + runs_out_in_s - 1.0)
+    return stream
+
+
 def test_fair_batches_and_frame_budget():
     from vocoder_service.checkpoint import resolve_checkpoint
 
@@ -38,6 +48,7 @@ def test_fair_batches_and_frame_budget():
         batcher = Batcher(backend, max_batch_frames=25, on_batch=lambda n, s: sizes.append(n))
         batcher.start()
         long_stream, long_jobs = stream_with_jobs(config, 80)   # ten jobs of one stream
+        playing(long_stream, 30.0)  # its listener holds plenty of audio
         short_stream, short_jobs = stream_with_jobs(config, 8)  # one job
         futures = [batcher.submit(j) for j in long_jobs]
         await asyncio.sleep(0)  # the long stream's first forward starts
@@ -45,11 +56,12 @@ def test_fair_batches_and_frame_budget():
         futures[5].cancel()
         await asyncio.gather(*[f for i, f in enumerate(futures) if i != 5])
         await batcher.close()
+        assert batcher.seconds_per_frame > 0  # the generator's speed is measured as it runs
         return sizes, backend.batches, len(long_jobs)
 
     sizes, shapes, n_long = asyncio.run(main())
     assert all(n == 1 for n in sizes)  # a 25-frame budget: one window per forward
-    assert shapes[1][2] == 8  # the late stream's first job jumps the long stream's backlog
+    assert shapes[1][2] == 8  # the new stream's first job is due now: it jumps the backlog
     assert sum(sizes) == n_long + 1 - 1  # the cancelled job never ran
     assert sum(b[0] for b in shapes) == sum(sizes)
 
@@ -66,6 +78,8 @@ def test_first_jobs_get_forwards_of_their_own():
         batcher = Batcher(backend, max_batch_frames=1000)
         batcher.start()
         busy = [stream_with_jobs(config, 40) for _ in range(2)]  # two streams with backlogs
+        for stream, _ in busy:
+            playing(stream, 30.0)
         futures = [batcher.submit(j) for _, jobs in busy for j in jobs[1:]]  # later chunks
         new = [stream_with_jobs(config, 8)[1][0] for _ in range(2)]  # two first chunks
         futures += [batcher.submit(j) for j in new]
@@ -91,7 +105,9 @@ def test_first_jobs_one_per_forward_where_batching_only_delays():
         backend = RecordingBackend()
         batcher = Batcher(backend, max_batch_frames=1000, max_first_batch=1)
         firsts = [stream_with_jobs(config, 8)[1][0] for _ in range(3)]
-        later = stream_with_jobs(config, 40)[1][1]
+        stream, jobs = stream_with_jobs(config, 40)
+        playing(stream, 30.0)
+        later = jobs[1]
         futures = [batcher.submit(later)] + [batcher.submit(j) for j in firsts]
         order = []
         for _ in range(4):
@@ -105,3 +121,68 @@ def test_first_jobs_one_per_forward_where_batching_only_delays():
     firsts, later, order = asyncio.run(main())
     assert order == [[firsts[0]], [firsts[1]], [firsts[2]], [later]]
     assert default_first_batch(RecordingBackend()) == 1
+
+
+def test_earliest_playout_deadline_first():
+    """Jobs go by when each stream's listener runs out of audio, not by arrival: a stream that
+    already ran out first, then a new stream (due since it asked), then the playing streams,
+    nearest deadline first. A stream's own jobs keep their order."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    async def main():
+        batcher = Batcher(RecordingBackend(), max_batch=1, max_batch_frames=1000)
+        streams = {}
+        for name, runs_out_in in (("relaxed", 60.0), ("soon", 20.0), ("underrun", -20.0)):
+            stream, jobs = stream_with_jobs(config, 24)
+            streams[name] = (playing(stream, runs_out_in), jobs)
+        streams["fresh"] = stream_with_jobs(config, 8)
+        for name, index in [("relaxed", 0), ("soon", 0), ("fresh", 0), ("underrun", 0),
+                            ("underrun", 1), ("relaxed", 1)]:  # arrival order
+            batcher.submit(streams[name][1][index])
+        order = []
+        while batcher._pending:
+            taken, batcher._pending = batcher._take(list(batcher._pending))
+            order += [(name, p.job.index) for p in taken
+                      for name, (stream, _) in streams.items() if p.job.stream is stream]
+        await batcher.close()
+        return order
+
+    assert asyncio.run(main()) == [("underrun", 0), ("underrun", 1), ("fresh", 0), ("soon", 0),
+                                   ("relaxed", 0), ("relaxed", 1)]
+
+
+def test_a_batch_is_filled_in_deadline_order():
+    """Where forwards batch (accelerators), the most urgent jobs fill the frame budget first;
+    a new stream's first job then comes before listeners that are still playing."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    async def main():
+        later = []
+        for runs_out_in in (30.0, 10.0, -5.0):
+            stream, jobs = stream_with_jobs(config, 40)
+            playing(stream, runs_out_in)
+            later.append(jobs[1])
+        budget = later[0].work_frames + 1  # one window per forward
+        batcher = Batcher(RecordingBackend(), max_batch=8, max_batch_frames=budget)
+        for job in later:
+            batcher.submit(job)
+        taken, rest = batcher._take(list(batcher._pending))
+        first = stream_with_jobs(config, 8)[1][0]
+        batcher.submit(first)
+        next_taken, _ = batcher._take(rest + [batcher._pending[-1]])
+        wide = Batcher(RecordingBackend(), max_batch=8, max_batch_frames=10 * budget)
+        for job in later:
+            wide.submit(job)
+        together, _ = wide._take(list(wide._pending))
+        await batcher.close()
+        await wide.close()
+        return later, first, [p.job for p in taken], [p.job for p in next_taken], together
+
+    later, first, taken, next_taken, together = asyncio.run(main())
+    assert taken == [later[2]]  # the stream that ran out of audio
+    assert next_taken == [first]  # a new stream is due now, ahead of listeners still playing
+    assert [p.job for p in together] == [later[2], later[1], later[0]]

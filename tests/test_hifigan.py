@@ -238,3 +238,20 @@ def test_stateful_streaming_of_the_pretrained_generator(universal):
     # 20 frames of input let out 20 frames minus the receptive field's right side (and a bit)
     assert 6 * 256 < first.shape[-1] < 8 * 256
     torch.testing.assert_close(torch.cat([first[0], rest[0]]), offline, atol=1e-5, rtol=0)
+
+
+def test_a_fresh_stream_starts_from_the_initial_state():
+    """`state=None` and `initial_state()` are the same start: the exported graphs are fed the
+    latter, the torch path the former."""
+    from vocoder_service.streaming import StreamingGenerator
+
+    torch.manual_seed(3)
+    generator = Generator(HifiGanConfig.from_dict(V1_TINY)).eval().remove_weight_norm()
+    streamer = StreamingGenerator(generator)
+    mel = torch.randn(1, 80, 1, 20)
+    with torch.inference_mode():
+        a, state_a = streamer(mel, None)
+        b, state_b = streamer(mel, streamer.initial_state())
+    assert torch.equal(a, b)
+    assert [t.shape for t in state_a] == [t.shape for t in state_b]
+    assert all(torch.equal(x, y) for x, y in zip(state_a, state_b))

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from vocoder_service.backends import TorchBackend
+from vocoder_service.chunking import ChunkPolicy, frames_to_keep_up, frames_within
+from vocoder_service.jobs import vocode_jobs
 from vocoder_service.mel import MelSpectrogram
-from vocoder_service.stream import ChunkPolicy, VocoderStream, vocode_jobs
+from vocoder_service.playout import Pace, PlayoutClock
+from vocoder_service.stream import VocoderStream
 from vocoder_service.token_decoder import (
     ConvLayer,
     TokenDecoder,
@@ -164,6 +167,21 @@ def test_stateful_boundary_emits_everything_and_the_stream_goes_on(backend, mel)
     assert snr_db(audio, offline_halves) >= 40  # two utterances, joined at the boundary
 
 
+def test_stateful_end_right_after_a_boundary(backend, mel):
+    """A boundary let everything out, so the end has no frames and a fresh state: its final
+    job carries only the end of the stream, and the generator is not called on nothing."""
+    stream = VocoderStream(backend.config, stateful=True)
+    stream.push_mel(mel[:, :30])
+    chunks = stream.step(backend)
+    stream.mark_boundary()
+    chunks += stream.step(backend)
+    stream.flush()
+    chunks += stream.step(backend)
+    assert stream.done and chunks[-1].num_samples == 0
+    audio = check_contiguous(chunks, 30 * HOP)
+    assert snr_db(audio, backend.run(mel[None, :, :30])[0]) >= 40
+
+
 def test_too_little_context_is_audible(backend, mel):
     """Guards the exactness tests: a window 4 frames short of the receptive field is off."""
     offline = backend.run(mel[None])[0]
@@ -260,6 +278,81 @@ def test_policy_grows_to_its_cap(backend, mel):
         ChunkPolicy(first_chunk_frames=0)
     with pytest.raises(ValueError):
         ChunkPolicy(first_chunk_frames=16, max_chunk_frames=8)
+
+
+def test_chunk_schedule_follows_the_buffer():
+    """A job takes no more frames than it can vocode, and waits for no more than it can gather
+    and vocode, within a share of the audio the listener holds; never below the first chunk."""
+    tick = 1 / 128  # exact in binary
+    policy = ChunkPolicy(first_chunk_frames=4, growth=2.0, max_chunk_frames=64)
+
+    def pace(buffered_s: float, seconds_per_frame: float = tick) -> Pace:
+        return Pace(buffered_s=buffered_s, seconds_per_frame=seconds_per_frame, frame_s=tick)
+
+    # half of 1 s at 1/128 s per frame: 64 frames vocoded, or 32 gathered and vocoded
+    assert frames_within(pace(1.0), 0.5) == 64
+    assert frames_within(pace(1.0), 0.5, gather=True) == 32
+    assert frames_within(Pace(1.0, tick, tick, overhead_frames=8), 0.5, gather=True) == 28
+    assert frames_within(pace(1.0, 0.0), 0.5) > 10**6  # speed not measured yet: no bound
+    # chunks grow with the buffer, from the first chunk's size up to the cap
+    assert [policy.limit(pace=pace(b)) for b in (0.0, 0.25, 1.0, 4.0)] == [4, 16, 64, 64]
+    assert [policy.min_frames(i, pace=pace(0.0)) for i in range(3)] == [4, 4, 4]
+    assert [policy.min_frames(i, pace=pace(1.0)) for i in range(6)] == [4, 8, 16, 32, 32, 32]
+    assert [policy.min_frames(i, pace=pace(4.0)) for i in range(6)] == [4, 8, 16, 32, 64, 64]
+    assert [policy.min_frames(i) for i in range(6)] == [4, 8, 16, 32, 64, 64]  # no clock
+    assert policy.limit(shared=True, pace=pace(4.0)) == 32
+    # windowed jobs also vocode 26 frames of context: a job must at least pay for it, twice
+    # over at a share of 0.5, even when the listener has run out
+    windowed = Pace(0.0, seconds_per_frame=tick / 4, frame_s=tick, overhead_frames=26)
+    assert frames_to_keep_up(windowed, 0.5) == 26
+    assert policy.limit(pace=windowed) == policy.min_frames(0, pace=windowed) == 26
+    assert frames_to_keep_up(Pace(0.0, tick / 2, tick, overhead_frames=26), 0.5) > 64
+    assert policy.limit(pace=Pace(0.0, tick / 2, tick, overhead_frames=26)) == 64  # the cap
+    assert frames_to_keep_up(pace(0.0), 0.5) == 0  # stateful jobs have no overhead
+    # a job's compute is played out of the buffer, then its audio is in it
+    assert pace(0.5, tick / 2).after(16).buffered_s == 0.5 - 16 * tick / 2 + 16 * tick
+    assert pace(0.0).after(4).buffered_s == 4 * tick
+    with pytest.raises(ValueError, match="buffer_share"):
+        ChunkPolicy(buffer_share=0.0)
+    with pytest.raises(ValueError, match="buffer_share"):
+        ChunkPolicy(buffer_share=1.5)
+
+
+def test_playout_clock():
+    clock = PlayoutClock(22050)
+    assert clock.runs_out_at is None and clock.buffered(5.0) == 0.0
+    clock.deliver(0, 1.0)  # nothing audible yet: playback has not started
+    clock.deliver(22050, 2.0)
+    clock.deliver(11025, 2.2)
+    assert clock.started_at == 2.0 and clock.runs_out_at == 3.5
+    assert clock.buffered(3.0) == 0.5 and clock.buffered(4.0) == 0.0
+
+
+def test_stream_chunks_follow_its_playout_clock(backend):
+    """With a clock, a stream whose listener holds little audio gets a backlog in chunks that
+    start small and grow as their audio builds the buffer up; one that holds seconds gets the
+    cap; without a clock, the policy alone."""
+    policy = ChunkPolicy(first_chunk_frames=4, growth=2.0, max_chunk_frames=64)
+    right, speed = backend.receptive_field[1], 1e-3
+    silence = np.full((80, 200), -11.0, np.float32)
+
+    def backlog_after_first_chunk(extra_delivered_s: float, clock: bool) -> list[int]:
+        stream = VocoderStream(backend.config, policy=policy, stateful=True)
+        stream.push_mel(silence[:, :4 + right])
+        (first,) = stream.ready(now=0.0, seconds_per_frame=speed)  # no audio out: the first chunk
+        assert first.num_frames == 4 + right
+        stream.complete(first, np.zeros(4 * HOP, np.float32), now=100.0)
+        stream.playout.deliver(int(extra_delivered_s * 22050), 100.0)
+        stream.push_mel(silence[:, 4 + right:60 + right])
+        jobs = stream.ready(now=100.0 if clock else None, seconds_per_frame=speed)
+        assert sum(j.num_frames for j in jobs) == 56
+        return [j.num_frames for j in jobs]
+
+    low = backlog_after_first_chunk(0.0, clock=True)
+    expected_first = frames_within(Pace(4 * HOP / 22050, speed, HOP / 22050), 0.5)
+    assert low[0] == expected_first < 56 and low == sorted(low) and len(low) > 1
+    assert backlog_after_first_chunk(2.0, clock=True) == [56]  # under the cap of 64
+    assert backlog_after_first_chunk(0.0, clock=False) == [56]
 
 
 def test_many_streams_batched_equal_offline(backend, mel):

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most new frames in one job while a stream has the generator to itself")
     p.add_argument("--shared-chunk-frames", type=int, default=32,
                    help="most new frames in one job while other streams are open")
+    p.add_argument("--buffer-share", type=float, default=0.5,
+                   help="share of a listener's buffered audio that gathering and vocoding its "
+                        "next chunk may take (bounds chunk sizes by the playout clock)")
     p.add_argument("--max-batch-frames", type=int, default=0,
                    help="window frames in one forward (0: 64 on CPU, 1024 on accelerators)")
     p.add_argument("--max-first-batch", type=int, default=0,
@@ -94,14 +97,14 @@ def load(args: argparse.Namespace):
 
 async def run(args: argparse.Namespace) -> None:
     from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
+    from vocoder_service.chunking import ChunkPolicy
     from vocoder_service.server import VocoderLimits, VocoderServicer
-    from vocoder_service.stream import ChunkPolicy
 
     voices, backends = load(args)
     servicer = VocoderServicer(
         voices, backends,
         policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames,
-                           args.shared_chunk_frames),
+                           args.shared_chunk_frames, args.buffer_share),
         limits=VocoderLimits(max_streams=args.max_streams,
                              max_audio_ahead_s=args.max_audio_ahead),
         max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames,

@@ -1,4 +1,5 @@
-"""Vocodes the ready jobs of many streams together, one batched forward per backend at a time."""
+"""Vocodes the ready jobs of many streams together, one batched forward per backend at a time,
+the stream whose listener runs out of audio first served first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vocoder_service.backends import Backend
-from vocoder_service.stream import Job, vocode_jobs
+from vocoder_service.jobs import Job, vocode_jobs
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,20 @@ class _Pending:
     future: asyncio.Future
     submitted: float
 
+    @property
+    def deadline(self) -> float:
+        """When the job's stream runs out of audio (its playout deadline); for a stream with no
+        audio out yet, when this job was submitted: its listener has been waiting since."""
+        runs_out = self.job.stream.playout.runs_out_at
+        return self.submitted if runs_out is None else runs_out
+
+
+_EWMA = 0.2  # weight of the newest forward in the measured speed
+
 
 class Batcher:
-    """Collects jobs while a forward runs; the next forward takes everything collected."""
+    """Collects jobs while a forward runs; the next forward takes what was collected, earliest
+    playout deadline first."""
 
     def __init__(self, backend: Backend, max_batch: int = 32, max_batch_frames: int = 256,
                  on_batch=None, max_first_batch: int | None = None):
@@ -48,6 +60,7 @@ class Batcher:
         self.max_first_batch = max_first_batch
         self.max_batch_frames = max_batch_frames
         self.on_batch = on_batch  # callback(batch_size, seconds) for metrics
+        self.seconds_per_frame = 0.0  # measured generator speed per work frame (0: none yet)
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocode")
@@ -70,16 +83,19 @@ class Batcher:
         return future
 
     def _take(self, live: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
-        """One job per stream per forward, up to a frame budget: a long stream's backlog
-        never holds up the others for more than one of its own chunks. Streams' first jobs
-        decide time to first audio, so while any is waiting a forward takes first jobs only."""
-        firsts = any(p.job.index == 0 for p in live)
+        """Earliest deadline first: one job per stream per forward (a stream's jobs run in
+        order), up to a frame budget, so a long stream's backlog never holds up the others for
+        more than one of its own chunks. While the most urgent job is a stream's first, the
+        forward carries first jobs only: a forward cannot be interrupted, and a first chunk's
+        wait is time to first audio."""
+        live = sorted(live, key=lambda p: (p.deadline, p.submitted))
+        firsts = bool(live) and live[0].job.index == 0
         limit = self.max_first_batch if firsts else self.max_batch
         batch: list[_Pending] = []
         rest: list[_Pending] = []
         streams: set[int] = set()
         frames = 0
-        for p in live:  # arrival order
+        for p in live:
             stream = id(p.job.stream)
             fits = frames + p.job.work_frames <= self.max_batch_frames or not batch
             if ((firsts and p.job.index > 0) or stream in streams or len(batch) >= limit
@@ -115,8 +131,15 @@ class Batcher:
                 if self.on_batch is not None:
                     self.on_batch(len(batch), seconds)
                 frames = sum(p.job.work_frames for p in batch)
+                if frames:
+                    per_frame = seconds / frames
+                    self.seconds_per_frame = (per_frame if not self.seconds_per_frame else
+                                              (1 - _EWMA) * self.seconds_per_frame + _EWMA * per_frame)
                 for p, a in zip(batch, audio):
                     if not p.future.done():
                         p.future.set_result(JobResult(
-                            a, 1e3 * seconds * p.job.work_frames / frames,
+                            a, 1e3 * seconds * p.job.work_frames / max(frames, 1),
                             1e3 * (started - p.submitted), len(batch), started, finished))
+                # let the streams hand their audio out (their playout clocks move) before the
+                # next pick by deadline
+                await asyncio.sleep(0)

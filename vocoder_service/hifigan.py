@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 LRELU_SLOPE = 0.1
+EDGE_KERNEL = 7  # conv_pre and conv_post
 _REQUIRED = ("resblock", "upsample_rates", "upsample_kernel_sizes", "upsample_initial_channel",
              "resblock_kernel_sizes", "resblock_dilation_sizes")
 
@@ -89,35 +90,77 @@ class HifiGanConfig:
         return receptive_field_frames(self)
 
 
+def resblock_reach(config: HifiGanConfig, kernel: int, dilations: tuple[int, ...]) -> int:
+    """Samples one residual block reads on each side of an output sample, at its stage's rate."""
+    reach = sum((kernel - 1) * d // 2 for d in dilations)
+    if config.resblock == "1":
+        reach += len(dilations) * ((kernel - 1) // 2)  # each unit's second, undilated conv
+    return reach
+
+
 def receptive_field_frames(config: HifiGanConfig) -> tuple[int, int]:
     """Exact (left, right) context in mel frames that the samples of one frame depend on.
 
     Walks the network backwards with integer index intervals: a chunk padded by this much on each
     side and trimmed reproduces offline synthesis.
     """
-    def conv(lo: int, hi: int, kernel: int, dilation: int) -> tuple[int, int]:
-        r = (kernel - 1) * dilation // 2
-        return lo - r, hi + r
-
-    def resblocks(lo: int, hi: int) -> tuple[int, int]:
-        widest = 0
-        for k, dilations in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes):
-            r = sum((k - 1) * d // 2 for d in dilations)
-            if config.resblock == "1":
-                r += len(dilations) * (k - 1) // 2
-            widest = max(widest, r)
-        return lo - widest, hi + widest
-
+    widest = max(resblock_reach(config, k, d)
+                 for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes))
     frame = 1_000  # any frame away from the edges
-    lo, hi = frame * config.hop_size, (frame + 1) * config.hop_size - 1
-    lo, hi = conv(lo, hi, 7, 1)  # conv_post
+    edge = (EDGE_KERNEL - 1) // 2
+    lo, hi = frame * config.hop_size - edge, (frame + 1) * config.hop_size - 1 + edge  # conv_post
     for u, k in reversed(list(zip(config.upsample_rates, config.upsample_kernel_sizes))):
-        lo, hi = resblocks(lo, hi)
+        lo, hi = lo - widest, hi + widest
         p = (k - u) // 2
         # output n of a transposed conv reads inputs j with n + p - k < j*u <= n + p
         lo, hi = -((-(lo + p - k + 1)) // u), (hi + p) // u
-    lo, hi = conv(lo, hi, 7, 1)  # conv_pre
+    lo, hi = lo - edge, hi + edge  # conv_pre
     return frame - lo, hi - frame
+
+
+def conv(layer: nn.Conv1d, x: torch.Tensor, padding: int) -> torch.Tensor:
+    """`layer`'s convolution with its own weights: 1-D on `[B, C, T]`, or the same arithmetic as
+    a height-1 2-D conv on `[B, C, 1, T]` (the layout ONNX Runtime's CPU provider runs fastest)."""
+    w, d = layer.weight, layer.dilation[-1]
+    if x.dim() == 3:
+        return F.conv1d(x, w, layer.bias, padding=padding, dilation=d)
+    return F.conv2d(x, w.unsqueeze(2), layer.bias, padding=(0, padding), dilation=(1, d))
+
+
+def conv_transpose(layer: nn.ConvTranspose1d, x: torch.Tensor, padding: int) -> torch.Tensor:
+    """`layer`'s transposed convolution, 1-D or height-1 2-D like `conv`."""
+    w, u = layer.weight, layer.stride[-1]
+    if x.dim() == 3:
+        return F.conv_transpose1d(x, w, layer.bias, stride=u, padding=padding)
+    return F.conv_transpose2d(x, w.unsqueeze(2), layer.bias, stride=(1, u), padding=(0, padding))
+
+
+def padding_of(layer: nn.Module) -> int:
+    """A convolution's (symmetric, numeric) padding along time."""
+    padding = layer.padding
+    assert isinstance(padding, tuple) and isinstance(padding[-1], int), padding
+    return padding[-1]
+
+
+class Offline:
+    """How the generator's layers run on a whole utterance: every convolution zero-padded on
+    both sides. The stateful streaming rendering (`streaming.Streaming`) has the same methods."""
+
+    def conv(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return conv(cast(nn.Conv1d, layer), x, padding_of(layer))
+
+    def conv_transpose(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return conv_transpose(cast(nn.ConvTranspose1d, layer), x, padding_of(layer))
+
+    def residual(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return x + t
+
+    def average(self, branches: list[torch.Tensor], lagging: int) -> torch.Tensor:
+        """Mean of a stage's residual blocks (`lagging`: the one with the widest reach)."""
+        return sum(branches[1:], branches[0]) / len(branches)
+
+
+OFFLINE = Offline()
 
 
 class ResBlock1(nn.Module):
@@ -132,9 +175,10 @@ class ResBlock1(nn.Module):
             weight_norm(nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2))
             for _ in dilations)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
         for c1, c2 in zip(self.convs1, self.convs2):
-            x = x + c2(F.leaky_relu(c1(F.leaky_relu(x, LRELU_SLOPE)), LRELU_SLOPE))
+            t = layers.conv(c1, F.leaky_relu(x, LRELU_SLOPE))
+            x = layers.residual(x, layers.conv(c2, F.leaky_relu(t, LRELU_SLOPE)))
         return x
 
 
@@ -147,21 +191,26 @@ class ResBlock2(nn.Module):
             weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=(kernel_size - 1) * d // 2))
             for d in dilations)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
         for c in self.convs:
-            x = x + c(F.leaky_relu(x, LRELU_SLOPE))
+            x = layers.residual(x, layers.conv(c, F.leaky_relu(x, LRELU_SLOPE)))
         return x
 
 
 class Generator(nn.Module):
-    """Mel `[B, num_mels, frames]` -> audio `[B, 1, frames * hop_size]` in [-1, 1]."""
+    """Mel `[B, num_mels, frames]` -> audio `[B, 1, frames * hop_size]` in [-1, 1].
+
+    The one definition of the network. `layers` says how each layer runs: `OFFLINE` (zero
+    padding, the whole utterance at once) or `streaming.Streaming` (chunk by chunk, each layer
+    carrying its input tail). Both accept `[B, C, 1, T]` too (height-1 2-D convs, for export).
+    """
 
     def __init__(self, config: HifiGanConfig):
         super().__init__()
         self.config = config
         ch = config.upsample_initial_channel
         self.num_kernels = len(config.resblock_kernel_sizes)
-        self.conv_pre = weight_norm(nn.Conv1d(config.num_mels, ch, 7, padding=3))
+        self.conv_pre = weight_norm(nn.Conv1d(config.num_mels, ch, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2))
         block = ResBlock1 if config.resblock == "1" else ResBlock2
         self.ups = nn.ModuleList()
         self.resblocks = nn.ModuleList()
@@ -170,7 +219,10 @@ class Generator(nn.Module):
             self.ups.append(weight_norm(nn.ConvTranspose1d(c_in, c_out, k, u, padding=(k - u) // 2)))
             for k_rb, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes):
                 self.resblocks.append(block(c_out, k_rb, d))
-        self.conv_post = weight_norm(nn.Conv1d(c_out, 1, 7, padding=3))
+        self.conv_post = weight_norm(nn.Conv1d(c_out, 1, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2))
+        reach = [resblock_reach(config, k, d)
+                 for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes)]
+        self.lagging = reach.index(max(reach))  # the block whose output a stream has least of
 
     @property
     def hop_size(self) -> int:
@@ -181,17 +233,14 @@ class Generator(nn.Module):
         """(left, right) context in mel frames needed for exact chunked synthesis."""
         return receptive_field_frames(self.config)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        x = self.conv_pre(mel)
+    def forward(self, mel: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
+        x = layers.conv(self.conv_pre, mel)
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, LRELU_SLOPE))
+            x = layers.conv_transpose(up, F.leaky_relu(x, LRELU_SLOPE))
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            xs = blocks[0](x)
-            for b in blocks[1:]:
-                xs = xs + b(x)
-            x = xs / self.num_kernels
+            x = layers.average([b(x, layers) for b in blocks], self.lagging)
         # the reference uses leaky_relu's default slope (0.01) here, not LRELU_SLOPE
-        x = self.conv_post(F.leaky_relu(x, 0.01))
+        x = layers.conv(self.conv_post, F.leaky_relu(x, 0.01))
         return torch.tanh(x)
 
     def remove_weight_norm(self) -> Generator:

@@ -19,7 +19,8 @@ from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from vocoder_service import metrics
 from vocoder_service.backends import Backend
 from vocoder_service.batcher import Batcher
-from vocoder_service.stream import ChunkPolicy, VocoderStream
+from vocoder_service.chunking import ChunkPolicy
+from vocoder_service.stream import VocoderStream
 from vocoder_service.voice import VocoderVoice
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,9 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         the audio ahead of the reader is under its bound."""
 
         async def submit(index: int) -> None:
-            for job in stream.ready(shared=self.active_streams > 1):
+            # chunks sized against the stream's playout clock and the generator's measured speed
+            for job in stream.ready(shared=self.active_streams > 1, now=time.perf_counter(),
+                                    seconds_per_frame=batcher.seconds_per_frame):
                 await ahead.room()
                 ahead.add(job.num_samples)
                 metrics.AUDIO_AHEAD.inc(job.num_samples / stream.config.sampling_rate)
