@@ -10,8 +10,8 @@ of the text and vocoder services and one orchestrator, all processes on 127.0.0.
    UNAVAILABLE must come within 1 s of the kill, new calls go to the survivor, and the killed
    replica, restarted on its port, serves again with the same orchestrator.
 
-    python -m bench.soak --json      # about 4 minutes
-    python -m bench.soak --quick     # fewer cancels, a 20 s soak
+    python -m bench.soak --json      # 7 minutes on a busy 2-core machine, most of it the cancels
+    python -m bench.soak --quick     # 40 cancels, a 20 s soak
 
 Exits 1 when any check fails.
 """
