@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -89,8 +90,9 @@ class Cluster:
         for p in self.procs.values():
             try:
                 p.proc.wait(30)
-            except Exception:  # noqa: BLE001 - stuck in its drain: stop it
+            except subprocess.TimeoutExpired:  # stuck in its drain
                 p.proc.kill()
+                p.proc.wait()
 
     @property
     def address(self) -> str:
