@@ -78,6 +78,33 @@ class ServiceProcess:
         return self.proc.returncode
 
 
+def scrape(proc, name: str, labels: str = "") -> float:
+    """One sample from a process's /metrics (anything with a `metrics_port`); 0 when absent."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5) as r:
+        return metric_value(r.read().decode(), name, labels) or 0.0
+
+
+def wait_until(predicate, timeout: float = 60.0, interval: float = 0.2) -> bool:
+    """Poll `predicate` until it holds or `timeout` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
 def metric_value(text: str, name: str, labels: str = "") -> float | None:
     """Value of one sample `name{labels}` in Prometheus text format, or None."""
     key = f"{name}{{{labels}}}" if labels else name

@@ -181,6 +181,13 @@ def test_exports_run_height_one_2d_convolutions(ort_backend):
             assert node.input[1] in constants, node.name
 
 
+def test_sessions_keep_no_memory_plan_per_input_shape(ort_backend):
+    mel = np.zeros((1, ort_backend.num_mels, 17), np.float32)
+    ort_backend.run_stream(mel, None)  # builds the streaming sessions
+    sessions = [ort_backend.session, *ort_backend._streaming_sessions()]
+    assert [s.get_session_options().enable_mem_pattern for s in sessions] == [False] * 3
+
+
 def test_stream_rejects_bad_shapes(ort_backend):
     with pytest.raises(ValueError, match=r"\[1, 80, frames\]"):
         ort_backend.run_stream(np.zeros((2, 80, 20), np.float32), None)

@@ -5,14 +5,13 @@ go to the survivor, and the killed replica serves again once restarted on its po
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 
 from orchestrator.launcher import Process, start_service
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
-from tests.procs import metric_value
+from tests.procs import scrape, wait_until
 from tests.voices import make_tts_voice, speech_tokens_only
 
 MAX_TOKENS = 800  # about 19 s of audio a call: a paused call is mid-stream at both backends
@@ -52,22 +51,6 @@ def cluster(voice_dir):
         if p.proc.poll() is None:
             p.proc.terminate()
             p.proc.wait(30)
-
-
-def scrape(proc: Process, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5) as r:
-        return metric_value(r.read().decode(), name) or 0.0
-
-
-def wait_until(predicate, timeout: float = 60.0, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 class Call:

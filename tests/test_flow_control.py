@@ -12,7 +12,7 @@ import pytest
 from orchestrator.launcher import LocalDeployment
 from splittts.text.v1 import text_pb2, text_pb2_grpc
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
-from tests.procs import metric_value
+from tests.procs import rss_bytes, scrape, wait_until
 from tests.voices import make_tts_voice, speech_tokens_only
 
 MAX_TOKENS = 2400  # one sentence: about 56 s of audio (512 samples a token at 22050 Hz)
@@ -38,30 +38,6 @@ def deployment(tmp_path_factory):
     local.start()
     yield local
     local.stop()
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def scrape(proc, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5) as r:
-        return metric_value(r.read().decode(), name) or 0.0
-
-
-def wait_until(predicate, timeout: float = 60.0, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def settled(read, timeout: float = 60.0) -> int:

@@ -246,6 +246,24 @@ def test_metrics_exported(service):
         assert metric_value(text, name) is not None, name
 
 
+def test_cache_gauges_follow_a_request_and_return_to_zero_when_it_is_cancelled(service):
+    assert wait_idle(service).num_used_blocks == 0
+    with service.channel() as ch:
+        call = stub(ch).Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 40))),
+                                                    max_tokens=200, ignore_eos=True), timeout=60)
+        next(call)  # admitted: it holds its blocks and a state slot until it ends
+        held = service.metrics()
+        mi = info(service)
+        assert mi.num_used_blocks >= 3 and mi.num_used_state_slots == 1
+        assert metric_value(held, "splittts_text_num_used_kv_blocks") >= 3
+        assert metric_value(held, "splittts_text_num_used_state_slots") == 1
+        call.cancel()
+    assert wait_idle(service).num_used_blocks == 0
+    text = service.metrics()
+    assert metric_value(text, "splittts_text_num_used_kv_blocks") == 0
+    assert metric_value(text, "splittts_text_num_used_state_slots") == 0
+
+
 def test_admission_cap(model_dir):
     proc = ServiceProcess("text_service", "--model", str(model_dir), "--kv-cache-memory", "32MiB",
                           "--threads", "1", "--max-pending", "1")

@@ -23,6 +23,10 @@ DECODE = Histogram("splittts_text_request_decode_time_seconds",
 RUNNING = Gauge("splittts_text_num_requests_running", "Sequences in the running batch.")
 WAITING = Gauge("splittts_text_num_requests_waiting", "Sequences waiting to be scheduled.")
 KV_USAGE = Gauge("splittts_text_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+KV_BLOCKS = Gauge("splittts_text_num_used_kv_blocks",
+                  "KV blocks held by sequences (cached blocks no sequence holds are free).")
+STATE_SLOTS = Gauge("splittts_text_num_used_state_slots",
+                    "Linear-attention state slots held by sequences (hybrid models).")
 PREFIX_QUERIES = Gauge("splittts_text_prefix_cache_queries",
                        "Prompt tokens looked up in the prefix cache (cumulative).")
 PREFIX_HITS = Gauge("splittts_text_prefix_cache_hits",
@@ -44,7 +48,8 @@ def _stat(stats: Callable[[], dict], key: str) -> float:
 def follow_engine_stats(stats: Callable[[], dict]) -> None:
     """Read the gauges from `stats()` (the engine thread's latest) at every scrape."""
     for gauge, key in ((RUNNING, "num_running"), (WAITING, "num_waiting"),
-                       (KV_USAGE, "kv_cache_usage"), (PREFIX_QUERIES, "prefix_cache_queries"),
+                       (KV_USAGE, "kv_cache_usage"), (KV_BLOCKS, "num_used_blocks"),
+                       (STATE_SLOTS, "num_used_state_slots"), (PREFIX_QUERIES, "prefix_cache_queries"),
                        (PREFIX_HITS, "prefix_cache_hits"), (PREEMPTIONS, "num_preemptions"),
                        (PAUSED, "num_paused")):
         gauge.set_function(functools.partial(_stat, stats, key))
