@@ -1,0 +1,199 @@
+"""Time to first audio through OpenAI's `POST /v1/audio/speech` against the gRPC `Synthesize`
+API of the same deployment, measured the same way on the client side for both.
+
+One split deployment of the voice (bench/e2e.py `Deployment`, its HTTP port on). The first
+request it ever serves goes through /v1 (pcm) and is timed against the same request repeated;
+a second fresh deployment does the same through gRPC. Then, at concurrency 1, N pairs: the same
+sentence through both APIs back to back (which one goes first alternates), in pcm and in mp3,
+both asking for 24 kHz, as /v1 does. TTFA here is the client's clock from sending the request
+to the first audio byte received (a persistent HTTP/1.1 connection and a persistent gRPC
+channel), so the /v1 figure includes the HTTP relay and the gRPC figure does not.
+
+    python -m bench.openai_api --quick      # 6 pairs per format, a few minutes
+    python -m bench.openai_api --json       # 20 pairs per format, one JSON object on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e import Deployment, pick_voice  # noqa: E402
+from bench.workload import machine_load, percentile  # noqa: E402
+from orchestrator.bench import SENTENCES  # noqa: E402
+
+FORMATS = ("pcm", "mp3")
+RATE_HZ = 24000  # what /v1 always sends; the gRPC requests ask for it too
+REPEATS = 5  # later requests the first one is compared with
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class GrpcClient:
+    """Synthesize over one persistent channel; TTFA from the call to the first audio bytes."""
+
+    def __init__(self, address: str):
+        import grpc
+
+        from splittts.tts.v1 import tts_pb2 as pb
+        from splittts.tts.v1 import tts_pb2_grpc
+
+        self.pb = pb
+        self.channel = grpc.insecure_channel(address)
+        self.stub = tts_pb2_grpc.TextToSpeechStub(self.channel)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+
+    def ttfa_ms(self, text: str, fmt: str) -> float:
+        pb = self.pb
+        encoding = {"pcm": pb.LINEAR16, "mp3": pb.MP3}[fmt]
+        req = pb.SynthesizeRequest(text=text, audio_config=pb.AudioConfig(
+            encoding=encoding, sample_rate_hz=RATE_HZ))
+        first = None
+        started = time.perf_counter()
+        for resp in self.stub.Synthesize(req, timeout=600):
+            if first is None and resp.HasField("audio") and resp.audio.audio:
+                first = time.perf_counter()
+        if first is None:
+            raise RuntimeError(f"gRPC {fmt}: no audio for {text!r}")
+        return 1e3 * (first - started)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class HttpClient:
+    """POST /v1/audio/speech over one keep-alive connection; TTFA to the first body byte."""
+
+    def __init__(self, port: int, voice: str):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        self.voice = voice
+
+    def ttfa_ms(self, text: str, fmt: str) -> float:
+        body = json.dumps({"model": "tts-1", "voice": self.voice, "input": text,
+                           "response_format": fmt})
+        started = time.perf_counter()
+        self.conn.request("POST", "/v1/audio/speech", body=body,
+                          headers={"Content-Type": "application/json"})
+        resp = self.conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"/v1 {fmt}: HTTP {resp.status}: {resp.read()[:300]!r}")
+        first = None
+        while resp.read1(65536):
+            if first is None:
+                first = time.perf_counter()
+        if first is None:
+            raise RuntimeError(f"/v1 {fmt}: no audio for {text!r}")
+        return 1e3 * (first - started)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def voice_name(voice_dir: Path) -> str:
+    return json.loads((voice_dir / "voice.json").read_text())["name"]
+
+
+def summary(values: list[float]) -> dict:
+    return {"p50_ms": round(percentile(values, 50), 2), "p95_ms": round(percentile(values, 95), 2),
+            "n": len(values)}
+
+
+def cold_start(voice_dir: Path, api: str) -> dict:
+    """A fresh deployment's first request (through `api`, pcm) and the same request repeated."""
+    text = SENTENCES[0]
+    with Deployment(voice_dir, "split", http=True) as d:
+        client = HttpClient(d.http_port, voice_name(voice_dir)) if api == "v1" else GrpcClient(d.address)
+        try:
+            first = client.ttfa_ms(text, "pcm")
+            later = [client.ttfa_ms(text, "pcm") for _ in range(REPEATS)]
+        finally:
+            client.close()
+    median = statistics.median(later)
+    log(f"{api}: first request {first:.1f} ms, later ones {median:.1f} ms (median of {REPEATS})")
+    return {"first_ms": round(first, 2), "later_median_ms": round(median, 2),
+            "first_minus_later_ms": round(first - median, 2), "later_ms": [round(x, 2) for x in later]}
+
+
+def pairs(voice_dir: Path, n: int) -> dict:
+    """`n` pairs per format at concurrency 1, the two APIs back to back in alternating order."""
+    out = {}
+    with Deployment(voice_dir, "split", http=True) as d:
+        grpc_client, http_client = GrpcClient(d.address), HttpClient(d.http_port, voice_name(voice_dir))
+        clients = {"grpc": grpc_client.ttfa_ms, "v1": http_client.ttfa_ms}
+        try:
+            for fmt in FORMATS:  # one of each, untimed: the comparison is of warm paths
+                grpc_client.ttfa_ms(SENTENCES[0], fmt)
+                http_client.ttfa_ms(SENTENCES[0], fmt)
+            times = {(api, fmt): [] for api in clients for fmt in FORMATS}
+            for i in range(n):
+                text = SENTENCES[i % len(SENTENCES)]
+                for fmt in FORMATS:
+                    order = ("grpc", "v1") if i % 2 == 0 else ("v1", "grpc")
+                    for api in order:
+                        times[api, fmt].append(clients[api](text, fmt))
+        finally:
+            grpc_client.close()
+            http_client.close()
+    for fmt in FORMATS:
+        g, v = times["grpc", fmt], times["v1", fmt]
+        diffs = [b - a for a, b in zip(g, v)]
+        out[fmt] = {"grpc": summary(g), "v1": summary(v),
+                    "v1_minus_grpc_median_ms": round(statistics.median(diffs), 2),
+                    "v1_minus_grpc_p95_ms": round(percentile(diffs, 95), 2)}
+        log(f"{fmt}: gRPC p50 {out[fmt]['grpc']['p50_ms']} ms, /v1 p50 {out[fmt]['v1']['p50_ms']} "
+            f"ms, median per-pair difference {out[fmt]['v1_minus_grpc_median_ms']} ms")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, help="pairs per format (default 20, 6 with --quick)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--voice", help="voice directory (default: voices/default)")
+    p.add_argument("--no-cold", action="store_true", help="skip the two first-request deployments")
+    args = p.parse_args()
+    n = args.pairs if args.pairs is not None else (6 if args.quick else 20)
+    if n < 1:
+        p.error(f"--pairs: must be >= 1 (got {n})")
+    voice_dir, voice_kind = pick_voice(args.voice)
+    # the client is not under test: keep it off the vocoder's core, as bench/e2e.py does
+    if len(os.sched_getaffinity(0)) > 1:
+        os.sched_setaffinity(0, {0})
+    out: dict = {"voice": str(voice_dir), "voice_kind": voice_kind, "pairs": n,
+                 "sample_rate_hz": RATE_HZ, "machine_load_start": machine_load()}
+    started = time.perf_counter()
+    if not args.no_cold:
+        out["first_request"] = {api: cold_start(voice_dir, api) for api in ("v1", "grpc")}
+    out["formats"] = pairs(voice_dir, n)
+    out["machine_load_end"] = machine_load()
+    out["wall_s"] = round(time.perf_counter() - started, 1)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"voice: {voice_kind} ({voice_dir}); {n} pairs per format, concurrency 1")
+    for fmt, r in out["formats"].items():
+        print(f"  {fmt}: gRPC p50/p95 {r['grpc']['p50_ms']:.1f}/{r['grpc']['p95_ms']:.1f} ms, "
+              f"/v1 {r['v1']['p50_ms']:.1f}/{r['v1']['p95_ms']:.1f} ms, "
+              f"/v1 - gRPC per pair: median {r['v1_minus_grpc_median_ms']:.1f} ms")
+    for api, r in out.get("first_request", {}).items():
+        print(f"  first request via {api}: {r['first_ms']:.1f} ms, later ones {r['later_median_ms']:.1f}"
+              f" ms (median of {REPEATS})")
+    print(f"  machine load {out['machine_load_start']} -> {out['machine_load_end']}")
+    print("goals: /v1 - gRPC median <= 10 ms; the first request as fast as later ones")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
