@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import soxr
 
-from orchestrator.encoders import make_encoder, to_int16, wav_stream_header  # noqa: F401
+from orchestrator.encoders import (ENCODINGS, make_encoder, to_int16,  # noqa: F401
+                                   wav_stream_header)
 from orchestrator.tempo import TimeStretch
 
-ENCODINGS = ("LINEAR16", "WAV", "FLAC", "OGG_OPUS", "MP3", "MULAW", "ALAW", "AAC")
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
 MIN_SPEAKING_RATE, MAX_SPEAKING_RATE = 0.5, 2.0
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
