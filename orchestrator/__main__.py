@@ -70,6 +70,7 @@ async def run(args: argparse.Namespace) -> None:
     async def warmup() -> None:
         await text_pool.start()
         await vocoder_pool.start()
+        await pipeline.warmup(voices)
 
     web = None
 
@@ -82,9 +83,11 @@ async def run(args: argparse.Namespace) -> None:
         web = WebDemo(loopback_target(args.host, grpc_port), token=token, web_auth=args.web_auth,
                       allow_origins=args.allow_origin, tls=relay_tls(tls, backend_tls))
         try:
-            return {"http_port": await web.start(args.host, args.http_port, https=tls)}
+            port = await web.start(args.host, args.http_port, https=tls)
         except OSError as exc:
             raise ValueError(f"--http-port {args.http_port}: {exc.strerror or exc}") from None
+        await web.warmup()
+        return {"http_port": port}
 
     async def stop() -> None:
         if web is not None:

@@ -95,6 +95,15 @@ def resolve_audio_format(input_rate: int, encoding: str = "LINEAR16", sample_rat
     return AudioFormat(encoding, input_rate, output_rate, float(speaking_rate))
 
 
+def warm_encoders(input_rate: int, output_rate: int = 24000) -> None:
+    """Code a little silence in every encoding, resampled (to OpenAI's rate by default), so the
+    codec libraries (LAME, PyAV and FFmpeg's codecs) and soxr load at start-up, not on a request."""
+    for encoding in ENCODINGS:
+        out = AudioOutput(input_rate, encoding, output_rate)
+        out.push(np.zeros(input_rate // 10, dtype=np.float32))
+        out.finish()
+
+
 class AudioOutput:
     """Turns the vocoder's float32 stream into encoded pieces for one request."""
 
