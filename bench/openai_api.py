@@ -34,6 +34,8 @@ from orchestrator.bench import SENTENCES  # noqa: E402
 FORMATS = ("pcm", "mp3")
 RATE_HZ = 24000  # what /v1 always sends; the gRPC requests ask for it too
 REPEATS = 5  # later requests the first one is compared with
+REPORT_FIELDS = ("ttfa_ms", "frontend_ms", "queue_ms", "prefill_ms", "ttft_ms",
+                 "vocoder_compute_ms")
 
 
 def log(msg: str) -> None:
@@ -53,6 +55,7 @@ class GrpcClient:
         self.channel = grpc.insecure_channel(address)
         self.stub = tts_pb2_grpc.TextToSpeechStub(self.channel)
         grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.report = None  # the last call's LatencyReport (the server's own clock)
 
     def ttfa_ms(self, text: str, fmt: str) -> float:
         pb = self.pb
@@ -64,6 +67,8 @@ class GrpcClient:
         for resp in self.stub.Synthesize(req, timeout=600):
             if first is None and resp.HasField("audio") and resp.audio.audio:
                 first = time.perf_counter()
+            if resp.HasField("report"):
+                self.report = resp.report
         if first is None:
             raise RuntimeError(f"gRPC {fmt}: no audio for {text!r}")
         return 1e3 * (first - started)
@@ -77,6 +82,7 @@ class HttpClient:
 
     def __init__(self, port: int, voice: str):
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        self.conn.connect()  # as the gRPC channel is connected first: only requests are timed
         self.voice = voice
 
     def ttfa_ms(self, text: str, fmt: str) -> float:
@@ -110,19 +116,30 @@ def summary(values: list[float]) -> dict:
 
 
 def cold_start(voice_dir: Path, api: str) -> dict:
-    """A fresh deployment's first request (through `api`, pcm) and the same request repeated."""
+    """A fresh deployment's first request (through `api`, pcm) and the same request repeated;
+    through gRPC also the server's own TTFA and front-end time from each LatencyReport."""
     text = SENTENCES[0]
+    client_ms, server = [], []
     with Deployment(voice_dir, "split", http=True) as d:
         client = HttpClient(d.http_port, voice_name(voice_dir)) if api == "v1" else GrpcClient(d.address)
         try:
-            first = client.ttfa_ms(text, "pcm")
-            later = [client.ttfa_ms(text, "pcm") for _ in range(REPEATS)]
+            for _ in range(1 + REPEATS):
+                client_ms.append(client.ttfa_ms(text, "pcm"))
+                if api == "grpc":
+                    server.append({k: getattr(client.report, k) for k in REPORT_FIELDS})
         finally:
             client.close()
+    first, later = client_ms[0], client_ms[1:]
     median = statistics.median(later)
-    log(f"{api}: first request {first:.1f} ms, later ones {median:.1f} ms (median of {REPEATS})")
-    return {"first_ms": round(first, 2), "later_median_ms": round(median, 2),
-            "first_minus_later_ms": round(first - median, 2), "later_ms": [round(x, 2) for x in later]}
+    out = {"first_ms": round(first, 2), "later_median_ms": round(median, 2),
+           "first_minus_later_ms": round(first - median, 2), "later_ms": [round(x, 2) for x in later]}
+    if server:  # first / median of later, each stage of the server's report
+        out["report_first_vs_later_ms"] = {
+            k: [round(server[0][k], 2), round(statistics.median(r[k] for r in server[1:]), 2)]
+            for k in REPORT_FIELDS}
+    log(f"{api}: first request {first:.1f} ms, later ones {median:.1f} ms (median of {REPEATS})"
+        + (f"; server report, first / later: {out['report_first_vs_later_ms']}" if server else ""))
+    return out
 
 
 def pairs(voice_dir: Path, n: int) -> dict:
