@@ -9,7 +9,9 @@ every sentence was spoken once before timing, so both find the same caches), in 
 both asking for 24 kHz, as /v1 does. The default voice decodes greedily, so no seed is needed
 for both APIs to produce the same audio. TTFA here is the client's clock from sending the request
 to the first audio byte received (a persistent HTTP/1.1 connection and a persistent gRPC
-channel), so the /v1 figure includes the HTTP relay and the gRPC figure does not.
+channel), so the /v1 figure includes the HTTP relay and the gRPC figure does not. First, the
+relay alone: the same pairs against a servicer that answers at once (no pipeline, so no noise
+from it), /v1 on a WebDemo in this process.
 
     python -m bench.openai_api --quick      # 6 pairs per format, a few minutes
     python -m bench.openai_api --json       # 20 pairs per format, one JSON object on stdout
@@ -108,6 +110,55 @@ class HttpClient:
         self.conn.close()
 
 
+def relay_only(n: int = 200) -> dict:
+    """The relay's own cost, without the pipeline's noise: a servicer that answers at once,
+    reached directly over gRPC and through /v1 of a WebDemo in the same process, in pairs."""
+    import asyncio
+    import threading
+
+    import grpc
+
+    from orchestrator.web import WebDemo
+    from splittts.tts.v1 import tts_pb2 as pb
+    from splittts.tts.v1 import tts_pb2_grpc
+
+    class Instant(tts_pb2_grpc.TextToSpeechServicer):
+        async def Synthesize(self, request, context):
+            yield pb.SynthesizeResponse(audio=pb.AudioChunk(audio=bytes(4800)))
+            yield pb.SynthesizeResponse(report=pb.LatencyReport())
+
+    ports: dict = {}
+    ready = threading.Event()
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        tts_pb2_grpc.add_TextToSpeechServicer_to_server(Instant(), server)
+        ports["grpc"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports["http"] = await WebDemo(f"127.0.0.1:{ports['grpc']}").start("127.0.0.1", 0)
+        ready.set()
+        await asyncio.Event().wait()
+
+    threading.Thread(target=lambda: asyncio.run(serve()), daemon=True).start()
+    ready.wait(30)
+    grpc_client = GrpcClient(f"127.0.0.1:{ports['grpc']}")
+    http_client = HttpClient(ports["http"], "default")
+    times: dict = {"grpc": [], "v1": []}
+    for i in range(20 + n):  # the first 20 untimed
+        g, v = grpc_client.ttfa_ms("hi", "pcm"), http_client.ttfa_ms("hi", "pcm")
+        if i >= 20:
+            times["grpc"].append(g)
+            times["v1"].append(v)
+    grpc_client.close()
+    http_client.close()
+    diffs = [b - a for a, b in zip(times["grpc"], times["v1"])]
+    out = {"grpc": summary(times["grpc"]), "v1": summary(times["v1"]),
+           "v1_minus_grpc_median_ms": round(statistics.median(diffs), 3)}
+    log(f"relay alone: gRPC p50 {out['grpc']['p50_ms']} ms, /v1 p50 {out['v1']['p50_ms']} ms, "
+        f"median per-pair difference {out['v1_minus_grpc_median_ms']} ms")
+    return out
+
+
 def voice_name(voice_dir: Path) -> str:
     return json.loads((voice_dir / "voice.json").read_text())["name"]
 
@@ -199,6 +250,7 @@ def main() -> int:
     out: dict = {"voice": str(voice_dir), "voice_kind": voice_kind, "pairs": n,
                  "sample_rate_hz": RATE_HZ, "machine_load_start": machine_load()}
     started = time.perf_counter()
+    out["relay_only"] = relay_only()
     if not args.no_cold:
         out["first_request"] = {api: cold_start(voice_dir, api) for api in ("v1", "grpc")}
     if n:
@@ -213,6 +265,9 @@ def main() -> int:
         print(f"  {fmt}: gRPC p50/p95 {r['grpc']['p50_ms']:.1f}/{r['grpc']['p95_ms']:.1f} ms, "
               f"/v1 {r['v1']['p50_ms']:.1f}/{r['v1']['p95_ms']:.1f} ms, "
               f"/v1 - gRPC per pair: median {r['v1_minus_grpc_median_ms']:.1f} ms")
+    r = out["relay_only"]
+    print(f"  relay alone (a servicer that answers at once): gRPC p50 {r['grpc']['p50_ms']:.2f} ms, "
+          f"/v1 {r['v1']['p50_ms']:.2f} ms, per pair: median {r['v1_minus_grpc_median_ms']:.2f} ms")
     for api, r in out.get("first_request", {}).items():
         print(f"  first request via {api}: {r['first_ms']:.1f} ms, later ones {r['later_median_ms']:.1f}"
               f" ms (median of {REPEATS})")
