@@ -71,8 +71,10 @@ def serve_colocated(args) -> None:
 class Deployment:
     """Start a split or co-located set of processes; `address` is the orchestrator's."""
 
-    def __init__(self, voice_dir: Path, mode: str):
+    def __init__(self, voice_dir: Path, mode: str, http: bool = False):
         self.voice_dir, self.mode, self.procs = voice_dir, mode, []
+        self.http = http  # the orchestrator's HTTP port (web demo, /v1) on a free port
+        self.http_port: int | None = None
 
     def __enter__(self):
         from orchestrator.launcher import start_service
@@ -92,10 +94,10 @@ class Deployment:
                 text_addr = voc_addr = both.address
             orch = start_service("orchestrator", "orchestrator", [
                 "--voice", str(self.voice_dir), "--text-service", text_addr,
-                "--vocoder-service", voc_addr, "--http-port", "-1"],
+                "--vocoder-service", voc_addr, "--http-port", "0" if self.http else "-1"],
                 cpus={0} if self.mode == "split" else None)
             self.procs.append(orch)
-            self.address = orch.address
+            self.address, self.http_port = orch.address, orch.http_port
         except BaseException:
             self.__exit__()
             raise

@@ -24,6 +24,7 @@ from bench.workload import (
     QUICK,
     Request,
     WorkloadSpec,
+    machine_load,
     make_workload,
     model_dir,
     output_tokens,
@@ -42,19 +43,6 @@ GOALS = {"speedup_vs_hf_sequential": (">=", 5.0), "speedup_vs_hf_static": (">=",
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def machine_load() -> dict:
-    """1-minute load average and CPU pressure: how shared the machine was during a run."""
-    import os
-
-    out = {"loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
-    try:
-        with open("/proc/pressure/cpu") as f:
-            out["cpu_pressure_some_avg60"] = float(f.readline().split()[2].split("=")[1])
-    except OSError:
-        pass
-    return out
 
 
 # -- HF baselines -------------------------------------------------------------------------------

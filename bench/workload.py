@@ -110,6 +110,17 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+def machine_load() -> dict:
+    """1-minute load average and CPU pressure: how shared the machine was during a run."""
+    out = {"loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
+    try:
+        with open("/proc/pressure/cpu") as f:
+            out["cpu_pressure_some_avg60"] = float(f.readline().split()[2].split("=")[1])
+    except OSError:
+        pass
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
     if not values:

@@ -25,7 +25,8 @@ RUN python protos/generate.py . \
     && mkdir -p /src/voices
 
 FROM ${BASE_IMAGE}
-# The text front end's G2P runs the espeak-ng program (ASCII phonemes, `espeak-ng -x`).
+# The text front end's G2P calls libespeak-ng in process (ctypes, the phoneme trace of
+# `espeak-ng -q -x`); the espeak-ng package brings that library and its voice data.
 ARG ESPEAK_NG_VERSION=1.51+dfsg-10+deb12u2
 RUN apt-get update \
     && apt-get install -y --no-install-recommends "espeak-ng=${ESPEAK_NG_VERSION}" \
@@ -39,10 +40,11 @@ ENV PATH=/opt/venv/bin:${PATH} \
     HF_HUB_OFFLINE=1
 USER 10001:10001
 WORKDIR /home/splittts
-EXPOSE 50050 9090 8080
-# grpc.health.v1 Check on this service; exit 0 only when it answers SERVING.
+EXPOSE 50050 9090 8080 50060
+# grpc.health.v1 Check on this service's plaintext health-only port (--health-port), which
+# answers whether or not the gRPC port runs TLS; exit 0 only when it says SERVING.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service=sys.argv[2]),timeout=4);sys.exit(r.status!=h.HealthCheckResponse.SERVING)", "127.0.0.1:50050", "splittts.tts.v1.TextToSpeech"]
+    CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service=sys.argv[2]),timeout=4);sys.exit(r.status!=h.HealthCheckResponse.SERVING)", "127.0.0.1:50060", "splittts.tts.v1.TextToSpeech"]
 CMD ["orchestrator", "--host", "0.0.0.0", "--port", "50050", "--metrics-port", "9090", "--http-port", "8080", \
-     "--text-service", "text-service:50051", "--vocoder-service", "vocoder-service:50052", \
-     "--voice", "/opt/split-tts/voices/default"]
+     "--health-port", "50060", "--text-service", "text-service:50051", \
+     "--vocoder-service", "vocoder-service:50052", "--voice", "/opt/split-tts/voices/default"]

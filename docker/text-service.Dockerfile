@@ -44,11 +44,13 @@ ENV PATH=/opt/venv/bin:${PATH} \
 USER 10001:10001
 # CANN writes operator caches and logs under the working directory and $HOME.
 WORKDIR /home/splittts
-EXPOSE 50051 9091
-# grpc.health.v1 Check on this service; exit 0 only when it answers SERVING (after warm-up).
+EXPOSE 50051 9091 50061
+# grpc.health.v1 Check on this service's plaintext health-only port (--health-port), which
+# answers whether or not the gRPC port runs TLS; exit 0 only when it says SERVING (after
+# warm-up).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service=sys.argv[2]),timeout=4);sys.exit(r.status!=h.HealthCheckResponse.SERVING)", "127.0.0.1:50051", "splittts.text.v1.TextGeneration"]
+    CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service=sys.argv[2]),timeout=4);sys.exit(r.status!=h.HealthCheckResponse.SERVING)", "127.0.0.1:50061", "splittts.text.v1.TextGeneration"]
 # No ENTRYPOINT here: the CANN image's own entrypoint sources the toolkit's set_env.sh scripts,
 # then runs this command.
 CMD ["text-service", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9091", \
-     "--model", "/opt/split-tts/voices/default/lm", "--device", "npu"]
+     "--health-port", "50061", "--model", "/opt/split-tts/voices/default/lm", "--device", "npu"]

@@ -55,9 +55,12 @@ ENV PATH=/opt/venv/bin:${PATH} \
     SPLITTTS_CACHE=/var/cache/split-tts
 USER 10001:10001
 WORKDIR /home/splittts
-EXPOSE 50052 9092
-# grpc.health.v1 Check on this service; exit 0 only when it answers SERVING (after warm-up).
+EXPOSE 50052 9092 50062
+# grpc.health.v1 Check on this service's plaintext health-only port (--health-port), which
+# answers whether or not the gRPC port runs TLS; exit 0 only when it says SERVING (after
+# warm-up).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service=sys.argv[2]),timeout=4);sys.exit(r.status!=h.HealthCheckResponse.SERVING)", "127.0.0.1:50052", "splittts.vocoder.v1.Vocoder"]
+    CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(h.HealthCheckRequest(service=sys.argv[2]),timeout=4);sys.exit(r.status!=h.HealthCheckResponse.SERVING)", "127.0.0.1:50062", "splittts.vocoder.v1.Vocoder"]
 CMD ["vocoder-service", "--host", "0.0.0.0", "--port", "50052", "--metrics-port", "9092", \
-     "--voice", "/opt/split-tts/voices/default", "--backend", "onnx", "--fp16"]
+     "--health-port", "50062", "--voice", "/opt/split-tts/voices/default", "--backend", "onnx", \
+     "--fp16"]

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import soxr
 
-from orchestrator.encoders import make_encoder, to_int16, wav_stream_header  # noqa: F401
+from orchestrator.encoders import ENCODINGS, make_encoder, to_int16, wav_stream_header  # noqa: F401
 from orchestrator.tempo import TimeStretch
 
-ENCODINGS = ("LINEAR16", "WAV", "FLAC", "OGG_OPUS", "MP3", "MULAW", "ALAW", "AAC")
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
 MIN_SPEAKING_RATE, MAX_SPEAKING_RATE = 0.5, 2.0
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -93,6 +92,15 @@ def resolve_audio_format(input_rate: int, encoding: str = "LINEAR16", sample_rat
         rates = CODEC_SAMPLE_RATES[encoding]
         output_rate = min((r for r in rates if r >= output_rate), default=rates[-1])
     return AudioFormat(encoding, input_rate, output_rate, float(speaking_rate))
+
+
+def warm_encoders(input_rate: int, output_rate: int = 24000) -> None:
+    """Code a little silence in every encoding, resampled (to OpenAI's rate by default), so the
+    codec libraries (LAME, PyAV and FFmpeg's codecs) and soxr load at start-up, not on a request."""
+    for encoding in ENCODINGS:
+        out = AudioOutput(input_rate, encoding, output_rate)
+        out.push(np.zeros(input_rate // 10, dtype=np.float32))
+        out.finish()
 
 
 class AudioOutput:

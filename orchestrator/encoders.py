@@ -24,6 +24,8 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
+# every encoding there is an encoder for, in splittts.tts.v1.AudioEncoding's names and order
+ENCODINGS = ("LINEAR16", "WAV", "FLAC", "OGG_OPUS", "MP3", "MULAW", "ALAW", "AAC")
 WAV_UNKNOWN_SIZE = 0xFFFFFFFF
 WAV_HEADER_BYTES = 44
 BIT_RATES = {"MP3": 64_000, "OGG_OPUS": 48_000, "AAC": 64_000}

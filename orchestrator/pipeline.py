@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from orchestrator.audio import AudioOutput
+from orchestrator.audio import AudioOutput, warm_encoders
 from orchestrator.latency import LatencyTracker
 from orchestrator.phoneme_sync import SyncPlan, SyncPlanner
 from orchestrator.replicas import Replica, ReplicaPool
@@ -195,6 +195,45 @@ class Pipeline:
                 voice.directory, voice.prompt_template, voice.phoneme_sync) \
                 if voice.phoneme_sync else None
         return self._planners[voice.name]
+
+    async def warmup(self, voices: list[VoiceSpec], timeout_s: float = 60.0) -> None:
+        """Load now what a first request would otherwise load: each voice's front end (G2P
+        voices, number readers, pinyin), its phoneme-sync planner and every audio encoder; then
+        one short synthesis per voice through the backends, which warms what only a real request
+        reaches (the streams on each channel, the text service's constrained decoding of a full
+        prompt, the vocoder's first stream). A backend that is not up yet is not waited for."""
+        texts = await asyncio.to_thread(self._load, voices)
+        for voice in voices:
+            language = voice.languages[0] if len(voice.languages) == 1 else ""
+            req = SynthesisRequest(request_id="warmup", voice=voice, language=language,
+                                   encoding="LINEAR16", sample_rate_hz=0, speaking_rate=1.0,
+                                   sampling=dict(voice.sampling), trace_id=secrets.token_hex(16))
+
+            async def pieces(texts=texts[voice.name]):
+                for text in texts:
+                    yield text
+
+            async def run(req=req, pieces=pieces) -> None:
+                async for _ in self.synthesize(req, pieces(), LatencyTracker(req.request_id)):
+                    pass
+
+            try:
+                await asyncio.wait_for(run(), timeout_s)
+            except (TimeoutError, StatusError, grpc.aio.AioRpcError) as exc:
+                log.warning("warm-up synthesis of voice %s failed (the first request will be "
+                            "slower): %s", voice.name, exc)
+
+    def _load(self, voices: list[VoiceSpec]) -> dict[str, list[str]]:
+        """The blocking part of warmup(); returns the warm-up sentences of each voice."""
+        texts = {}
+        for voice in voices:
+            segments = self.frontends[voice.name].warmup()
+            planner = self.planner(voice)
+            for segment in segments if planner is not None else ():
+                planner.plan(segment.model_input)
+            warm_encoders(voice.sample_rate)
+            texts[voice.name] = [segment.text for segment in segments]
+        return texts
 
     def _stretch(self, req: SynthesisRequest) -> float:
         """The tempo change left to the audio: none where the durations already carry the rate."""

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from orchestrator import metrics
-from orchestrator.audio import resolve_audio_format
+from orchestrator.audio import ENCODINGS, resolve_audio_format
 from orchestrator.frontend import StreamingSegmenter, split_sentences
 from orchestrator.latency import LatencyTracker
 from orchestrator.pipeline import Pipeline, SynthesisRequest
@@ -64,7 +64,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                                   f"{', '.join(spec.languages)} (got {language_code!r})")
         if audio_config.encoding not in pb.AudioEncoding.values():
             raise InvalidArgument(f"audio_config.encoding: unsupported value {audio_config.encoding}; "
-                                  "use LINEAR16, WAV, FLAC or OGG_OPUS")
+                                  f"use one of {', '.join(ENCODINGS)}")
         encoding = pb.AudioEncoding.Name(audio_config.encoding) if audio_config.encoding else "LINEAR16"
         try:
             fmt = resolve_audio_format(spec.sample_rate, encoding, audio_config.sample_rate_hz,

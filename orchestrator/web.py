@@ -243,6 +243,15 @@ class WebDemo:
         self.port = self.runner.addresses[0][1]
         return self.port
 
+    async def warmup(self) -> None:
+        """Connect the relay's channel to our own port and make one call on it (ListVoices), so
+        the first page or /v1 request does not pay for the connection (and its TLS handshake)."""
+        try:
+            await self._stub().ListVoices(pb.ListVoicesRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:  # the requests that follow will report it
+            log.warning("the web relay could not reach %s at start-up: %s %s", self.grpc_target,
+                        exc.code().name, exc.details())
+
     async def stop(self) -> None:
         """Close every socket (cancelling its call) and the HTTP server."""
         if self.runner is not None:

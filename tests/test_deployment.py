@@ -188,7 +188,9 @@ def test_dockerfile_command_ports_and_health(service):
     exposed = {int(p.split("/")[0]) for p in one(path, "EXPOSE").split()}
     assert exposed == served_ports(ns)
     assert healthcheck_argv(path)[:3] == ["python", "-c", probe_code()]
-    assert healthcheck_argv(path)[3:] == [f"127.0.0.1:{ns.port}", health_names()[service]]
+    # the probe speaks plaintext: it asks the health-only port, which stays plaintext under TLS
+    assert ns.health_port > 0 and ns.health_port != ns.port
+    assert healthcheck_argv(path)[3:] == [f"127.0.0.1:{probe_port(ns)}", health_names()[service]]
     copies = [rest.split()[-1] for kw, rest in instructions(path) if kw == "COPY"]
     assert VOICES_IN_IMAGE in copies
 

@@ -10,7 +10,8 @@ import pytest
 import soundfile
 
 from orchestrator.audio import AudioOutput
-from orchestrator.encoders import fill_in_sizes
+from orchestrator.encoders import ENCODINGS, fill_in_sizes, make_encoder
+from splittts.tts.v1 import tts_pb2 as pb
 
 SR = 22050
 LOSSY = ("MP3", "OGG_OPUS", "AAC")
@@ -137,6 +138,14 @@ def test_libsndfile_decodes_the_stream_to_the_input(encoding):
         assert aligned_snr_db(ref, got, max_lag=0) > 30
     else:
         assert len(got) >= len(ref) and aligned_snr_db(ref, got) > 12
+
+
+def test_every_encoding_of_the_public_api_has_an_encoder():
+    names = [n for n in pb.AudioEncoding.keys() if n != "AUDIO_ENCODING_UNSPECIFIED"]
+    assert list(ENCODINGS) == names
+    for name in ENCODINGS:
+        encoder = make_encoder(name, 24000)
+        assert encoder.encode(speechlike(0.2)) + encoder.finish(), name
 
 
 def test_g711_rates_default_to_telephony_and_follow_a_request():

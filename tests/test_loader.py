@@ -96,6 +96,16 @@ def test_missing_checkpoint_files_are_reported(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("keep", [4, 100, "half"])
+def test_truncated_checkpoint_is_a_load_error_naming_the_file(tmp_path, keep):
+    path = make_tiny_model(tmp_path)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2 if keep == "half" else keep])
+    with pytest.raises(WeightLoadError, match=f"{weights} is not a readable safetensors file"):
+        load_model(path)
+
+
 def test_unsupported_model_type_is_rejected(tmp_path):
     config = tiny_config("qwen3")
     config.save_pretrained(tmp_path)

@@ -168,8 +168,9 @@ BAD = {
     "nothing to say": (dict(text="... !!"), INVALID, "nothing to speak"),
     "text too long": (dict(text="a" * 5001), INVALID, "exceed the limit of 5000"),
     "unknown voice": (dict(text="hi", voice="nobody"), grpc.StatusCode.NOT_FOUND, "unknown voice"),
-    "unsupported encoding": (dict(text="hi", audio_config=pb.AudioConfig(encoding=9)), INVALID,
-                             "encoding"),
+    "unsupported encoding": (dict(text="hi", audio_config=pb.AudioConfig(encoding=99)), INVALID,
+                             "audio_config.encoding: unsupported value 99; use one of "
+                             + ", ".join(pb.AudioEncoding.keys()[1:])),  # all but UNSPECIFIED
     "bad sample rate": (dict(text="hi", audio_config=pb.AudioConfig(sample_rate_hz=5)), INVALID,
                         "audio_config.sample_rate_hz"),
     "speaking rate too fast": (dict(text="hi", audio_config=pb.AudioConfig(speaking_rate=3.0)),

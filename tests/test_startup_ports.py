@@ -1,7 +1,9 @@
-"""A second server on a busy port fails at start-up with one line naming the port (real processes)."""
+"""Start-up refusals are one line and exit code 2 (real processes): a second server on a busy port
+names the port; a corrupt checkpoint names the file."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -47,6 +49,19 @@ def test_text_service_refuses_a_busy_grpc_or_metrics_port(model_dir):
         assert first.alive() and first.health() == 1  # SERVING, untouched
     finally:
         assert first.stop() == 0
+
+
+def test_text_service_refuses_a_truncated_checkpoint(model_dir, tmp_path):
+    broken = tmp_path / "lm"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a cut-off download
+    result = second("text_service", "--model", str(broken), "--kv-cache-memory", "32MiB",
+                    "--threads", "1")
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"text-service: {weights} is not a readable safetensors file ("), line
+    assert "Traceback" not in result.stderr and '"event": "serving"' not in result.stdout
 
 
 def test_vocoder_service_refuses_a_busy_grpc_port(voice_dir):

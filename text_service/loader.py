@@ -4,7 +4,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from text_service.hf_config import load_hf_config
@@ -37,9 +37,12 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) for every tensor of every shard, read lazily on the CPU."""
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:  # truncated or not safetensors at all: a bad model, not a crash
+            raise WeightLoadError(f"{path} is not a readable safetensors file ({e})") from None
 
 
 def expected_tensors(model: CausalLM) -> dict[str, tuple[str, int | None]]:

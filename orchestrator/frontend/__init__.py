@@ -101,10 +101,11 @@ class FrontEnd:
                 out.append(Segment(sentence, normalized, model_input, lang.key))
         return out
 
-    def warmup(self) -> None:
-        """Run every language once, so voices, pypinyin and cn2an load now, not on a request."""
-        for key in self._languages:
-            self.process(_WARMUP.get(primary_language(key), "Warm up."), key)
+    def warmup(self) -> list[Segment]:
+        """Run every language once, so voices, pypinyin and cn2an load now, not on a request;
+        returns the segments it made (to warm what comes after the front end)."""
+        return [segment for key in self._languages
+                for segment in self.process(_WARMUP.get(primary_language(key), "Warm up."), key)]
 
     def close(self) -> None:
         """Release the G2Ps."""

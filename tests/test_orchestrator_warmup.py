@@ -1,0 +1,70 @@
+"""The orchestrator warms up before it says it is serving: its front end, planner and encoders,
+and one short synthesis through the backends, so the first caller does not pay for any of it
+(real processes on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import grpc
+import pytest
+
+from orchestrator.launcher import start_service
+from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
+from tests.procs import metric_value
+from tests.voices import make_tts_voice
+
+
+def scrape(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return metric_value(text, name) or 0.0
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory):
+    voice_dir = make_tts_voice(tmp_path_factory.mktemp("voices"))
+    text = start_service("text-service", "text_service", ["--model", str(voice_dir / "lm"),
+                         "--threads", "1", "--kv-cache-memory", "32MiB"], metrics_port=0)
+    vocoder = start_service("vocoder-service", "vocoder_service",
+                            ["--voice", str(voice_dir), "--threads", "1"], metrics_port=0)
+    yield voice_dir, text, vocoder
+    for p in (text, vocoder):
+        p.proc.terminate()
+        p.proc.wait(30)
+
+
+def test_start_up_runs_one_synthesis_through_both_backends(backends):
+    voice_dir, text, vocoder = backends
+    generated = "splittts_text_time_to_first_token_seconds_count"
+    streams = 'splittts_vocoder_streams_total{outcome="ok"}'
+    before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, streams)
+    orch = start_service("orchestrator", "orchestrator", [
+        "--voice", str(voice_dir), "--text-service", text.address,
+        "--vocoder-service", vocoder.address, "--http-port", "0"])
+    try:
+        # serving, and nobody has called it yet: the backends' work is the warm-up's
+        assert scrape(text.metrics_port, generated) > before[0]
+        assert scrape(vocoder.metrics_port, streams) == before[1] + 1
+        with grpc.insecure_channel(orch.address) as ch:  # and it still serves callers as ever
+            replies = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                pb.SynthesizeRequest(text="Hello there."), timeout=120))
+        assert replies[-1].HasField("report") and replies[-1].report.audio_s > 0
+    finally:
+        orch.proc.terminate()
+        assert orch.proc.wait(30) == 0
+
+
+def test_start_up_does_not_wait_for_a_backend_that_is_down(backends):
+    voice_dir, text, _ = backends
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        unused_port = s.getsockname()[1]
+    orch = start_service("orchestrator", "orchestrator", [
+        "--voice", str(voice_dir), "--text-service", text.address,
+        "--vocoder-service", f"127.0.0.1:{unused_port}", "--http-port", "-1"], timeout_s=60)
+    try:
+        assert orch.proc.poll() is None  # serving (NOT_SERVING in health until it comes up)
+    finally:
+        orch.proc.terminate()
+        assert orch.proc.wait(30) == 0
