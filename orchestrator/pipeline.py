@@ -229,8 +229,9 @@ class Pipeline:
         for voice in voices:
             segments = self.frontends[voice.name].warmup()
             planner = self.planner(voice)
-            for segment in segments if planner is not None else ():
-                planner.plan(segment.model_input)
+            if planner is not None:
+                for segment in segments:
+                    planner.plan(segment.model_input)
             warm_encoders(voice.sample_rate)
             texts[voice.name] = [segment.text for segment in segments]
         return texts
