@@ -40,7 +40,9 @@ def serve_colocated(args) -> None:
 
     torch.set_num_threads(args.threads)
     voice = load_voice(args.voice)
-    engine = LLMEngine(EngineArgs(model=str(Path(args.voice) / "lm"), kv_cache_memory_bytes=256 << 20))
+    engine = LLMEngine(
+        EngineArgs(model=str(Path(args.voice) / "lm"), kv_cache_memory_bytes=256 << 20)
+    )
     async_engine = AsyncEngine(engine)
     backend = OnnxBackend(voice.generator, intra_op_threads=args.threads)
 
@@ -49,7 +51,9 @@ def serve_colocated(args) -> None:
         vocoder.start()
 
         def warmup() -> None:
-            engine.generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+            engine.generate(
+                [[1] * 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            )
             backend.warmup()
             async_engine.start()
 
@@ -57,13 +61,25 @@ def serve_colocated(args) -> None:
             async_engine.stop()
             await vocoder.close()
 
-        await serve([Service(text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
-                             text_pb2_grpc.add_TextGenerationServicer_to_server,
-                             TextGenerationServicer(async_engine, "lm")),
-                     Service(vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name,
-                             vocoder_pb2_grpc.add_VocoderServicer_to_server, vocoder)],
-                    host="127.0.0.1", port=args.port, metrics_port=None, warmup=warmup,
-                    on_stop=stop)
+        await serve(
+            [
+                Service(
+                    text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
+                    text_pb2_grpc.add_TextGenerationServicer_to_server,
+                    TextGenerationServicer(async_engine, "lm"),
+                ),
+                Service(
+                    vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name,
+                    vocoder_pb2_grpc.add_VocoderServicer_to_server,
+                    vocoder,
+                ),
+            ],
+            host="127.0.0.1",
+            port=args.port,
+            metrics_port=None,
+            warmup=warmup,
+            on_stop=stop,
+        )
 
     asyncio.run(main())
 
@@ -81,21 +97,51 @@ class Deployment:
 
         try:
             if self.mode == "split":
-                text = start_service("text", "text_service", ["--model", str(self.voice_dir / "lm"),
-                                     "--threads", "1", "--kv-cache-memory", "256MiB"], cpus={0})
-                voc = start_service("vocoder", "vocoder_service", ["--voice", str(self.voice_dir),
-                                    "--threads", "1"], cpus={1})
+                text = start_service(
+                    "text",
+                    "text_service",
+                    [
+                        "--model",
+                        str(self.voice_dir / "lm"),
+                        "--threads",
+                        "1",
+                        "--kv-cache-memory",
+                        "256MiB",
+                    ],
+                    cpus={0},
+                )
+                voc = start_service(
+                    "vocoder",
+                    "vocoder_service",
+                    ["--voice", str(self.voice_dir), "--threads", "1"],
+                    cpus={1},
+                )
                 self.procs += [text, voc]
                 text_addr, voc_addr = text.address, voc.address
             else:
-                both = start_service("colocated", "bench.e2e", ["--serve-colocated", "--voice",
-                                     str(self.voice_dir), "--threads", "2"], metrics_port=-1)
+                both = start_service(
+                    "colocated",
+                    "bench.e2e",
+                    ["--serve-colocated", "--voice", str(self.voice_dir), "--threads", "2"],
+                    metrics_port=-1,
+                )
                 self.procs.append(both)
                 text_addr = voc_addr = both.address
-            orch = start_service("orchestrator", "orchestrator", [
-                "--voice", str(self.voice_dir), "--text-service", text_addr,
-                "--vocoder-service", voc_addr, "--http-port", "0" if self.http else "-1"],
-                cpus={0} if self.mode == "split" else None)
+            orch = start_service(
+                "orchestrator",
+                "orchestrator",
+                [
+                    "--voice",
+                    str(self.voice_dir),
+                    "--text-service",
+                    text_addr,
+                    "--vocoder-service",
+                    voc_addr,
+                    "--http-port",
+                    "0" if self.http else "-1",
+                ],
+                cpus={0} if self.mode == "split" else None,
+            )
             self.procs.append(orch)
             self.address, self.http_port = orch.address, orch.http_port
         except BaseException:
@@ -117,12 +163,15 @@ def pick_voice(arg: str | None) -> tuple[Path, str]:
     if (default / "voice.json").is_file():
         return default, "default voice"
     from tests.voices import make_tts_voice
+
     tmp = Path(tempfile.mkdtemp(prefix="e2e-voice-"))
     return make_tts_voice(tmp, max_tokens=96), "random tiny model (no default voice yet)"
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--voice", help="voice directory (default: voices/default, else a random model)")
@@ -143,8 +192,12 @@ def main() -> int:
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {0})
     n1, n4, n8, ncmp = (6, 8, 8, 6) if args.quick else (20, 24, 32, 20)
-    out: dict = {"voice": str(voice_dir), "voice_kind": voice_kind, "quick": args.quick,
-                 "cpus": os.cpu_count()}
+    out: dict = {
+        "voice": str(voice_dir),
+        "voice_kind": voice_kind,
+        "quick": args.quick,
+        "cpus": os.cpu_count(),
+    }
     started = time.perf_counter()
     with Deployment(voice_dir, "split") as d:
         run_level(d.address, 1, 2)  # warm-up
@@ -155,21 +208,35 @@ def main() -> int:
         run_level(d.address, 1, 2)
         colo = run_level(d.address, 1, ncmp)
     hops = c1["hop_overhead_ms"]
-    out.update({
-        "ttfa_p50_ms": c1["ttfa_p50_ms"], "ttfa_p95_ms": c1["ttfa_p95_ms"],
-        "ttfa_p95_c4_ms": c4["ttfa_p95_ms"], "ttfa_p95_c8_ms": c8["ttfa_p95_ms"],
-        "ttfa_p95_c4_vs_p50_c1": c4["ttfa_p95_ms"] / c1["ttfa_p50_ms"] if c1["ttfa_p50_ms"] else None,
-        "ttft_p50_ms": c1["ttft_p50_ms"], "rtf": c1["rtf_mean"], "rtf_c4": c4["rtf_mean"],
-        "rtf_c8": c8["rtf_mean"],
-        "underruns": {"c1": c1["underruns"], "c4": c4["underruns"], "c8": c8["underruns"]},
-        "audio_s_per_wall_s": {"c1": c1["audio_s_per_wall_s"], "c4": c4["audio_s_per_wall_s"],
-                               "c8": c8["audio_s_per_wall_s"]},
-        "hop_overhead_ms": max(hops.values()) if hops else None, "hop_overhead_by_service_ms": hops,
-        "colocated_ttfa_p50_ms": colo["ttfa_p50_ms"],
-        "split_vs_colocated_ttfa": c1["ttfa_p50_ms"] / colo["ttfa_p50_ms"] if colo["ttfa_p50_ms"] else None,
-        "errors": c1["errors"] + c4["errors"] + c8["errors"] + colo["errors"],
-        "wall_s": time.perf_counter() - started,
-    })
+    out.update(
+        {
+            "ttfa_p50_ms": c1["ttfa_p50_ms"],
+            "ttfa_p95_ms": c1["ttfa_p95_ms"],
+            "ttfa_p95_c4_ms": c4["ttfa_p95_ms"],
+            "ttfa_p95_c8_ms": c8["ttfa_p95_ms"],
+            "ttfa_p95_c4_vs_p50_c1": c4["ttfa_p95_ms"] / c1["ttfa_p50_ms"]
+            if c1["ttfa_p50_ms"]
+            else None,
+            "ttft_p50_ms": c1["ttft_p50_ms"],
+            "rtf": c1["rtf_mean"],
+            "rtf_c4": c4["rtf_mean"],
+            "rtf_c8": c8["rtf_mean"],
+            "underruns": {"c1": c1["underruns"], "c4": c4["underruns"], "c8": c8["underruns"]},
+            "audio_s_per_wall_s": {
+                "c1": c1["audio_s_per_wall_s"],
+                "c4": c4["audio_s_per_wall_s"],
+                "c8": c8["audio_s_per_wall_s"],
+            },
+            "hop_overhead_ms": max(hops.values()) if hops else None,
+            "hop_overhead_by_service_ms": hops,
+            "colocated_ttfa_p50_ms": colo["ttfa_p50_ms"],
+            "split_vs_colocated_ttfa": c1["ttfa_p50_ms"] / colo["ttfa_p50_ms"]
+            if colo["ttfa_p50_ms"]
+            else None,
+            "errors": c1["errors"] + c4["errors"] + c8["errors"] + colo["errors"],
+            "wall_s": time.perf_counter() - started,
+        }
+    )
     if args.json:
         print(json.dumps(out))
     else:
@@ -177,8 +244,10 @@ def main() -> int:
         for k, v in out.items():
             if k not in ("voice", "voice_kind"):
                 print(f"  {k:28s} {v:.3f}" if isinstance(v, float) else f"  {k:28s} {v}")
-        print("goals: hop_overhead_ms <= 2, ttfa_p95_c4_vs_p50_c1 <= 2.5 "
-              "(split_vs_colocated_ttfa < 1 means the split deployment is faster)")
+        print(
+            "goals: hop_overhead_ms <= 2, ttfa_p95_c4_vs_p50_c1 <= 2.5 "
+            "(split_vs_colocated_ttfa < 1 means the split deployment is faster)"
+        )
     return 0
 
 

@@ -27,7 +27,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--voice", default=str(ROOT / "voices" / "default"))
     p.add_argument("--requests", type=int, default=8)
     args = p.parse_args()
@@ -36,17 +38,23 @@ def main() -> None:
         for i in range(2):  # warm-up
             one_request(stub, SENTENCES[i], "", i)
         before = [cpu_seconds(proc.proc.pid) for proc in d.procs]
-        reports = [one_request(stub, SENTENCES[i % len(SENTENCES)], "", i)
-                   for i in range(args.requests)]
+        reports = [
+            one_request(stub, SENTENCES[i % len(SENTENCES)], "", i) for i in range(args.requests)
+        ]
         after = [cpu_seconds(proc.proc.pid) for proc in d.procs]
     audio = sum(r.audio_s for r in reports)
-    out = {f"{name}_cpu_s_per_audio_s": round((a - b) / audio, 3)
-           for name, a, b in zip(("text", "vocoder", "orchestrator"), after, before)}
-    out.update(audio_s=round(audio, 2), speech_tokens=sum(r.num_speech_tokens for r in reports),
-               ttfa_p50_ms=round(statistics.median(r.ttfa_ms for r in reports), 1),
-               rtf_mean=round(statistics.mean(r.rtf for r in reports), 3),
-               chunks=sum(r.num_chunks for r in reports),
-               underruns=sum(r.underruns for r in reports))
+    out = {
+        f"{name}_cpu_s_per_audio_s": round((a - b) / audio, 3)
+        for name, a, b in zip(("text", "vocoder", "orchestrator"), after, before)
+    }
+    out.update(
+        audio_s=round(audio, 2),
+        speech_tokens=sum(r.num_speech_tokens for r in reports),
+        ttfa_p50_ms=round(statistics.median(r.ttfa_ms for r in reports), 1),
+        rtf_mean=round(statistics.mean(r.rtf for r in reports), 3),
+        chunks=sum(r.num_chunks for r in reports),
+        underruns=sum(r.underruns for r in reports),
+    )
     print(json.dumps(out))
 
 

@@ -13,6 +13,7 @@ Qwen3.5 with the compiled ones, and Qwen3 (the same size, no linear attention).
     python -m bench.linear_attention [--threads 1] [--batch 16] [--prefill-tokens 2048] [--json]
     python -m bench.linear_attention --engine [--full] [--threads 1] [--rounds 3] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,17 @@ def side_by_side(name: str, reference, compiled, rounds: int, repeats: int) -> d
         ref_s.append(_time(reference, repeats))
         ours_s.append(_time(compiled, repeats))
     ratios = [r / o for r, o in zip(ref_s, ours_s)]
-    res = {"reference_ms": statistics.median(ref_s) * 1e3, "compiled_ms": statistics.median(ours_s) * 1e3,
-           "speedup": statistics.median(ratios)}
-    print(f"{name:28s} reference {res['reference_ms']:9.3f} ms  compiled {res['compiled_ms']:9.3f} ms  "
-          f"x{res['speedup']:.2f}", file=sys.stderr, flush=True)
+    res = {
+        "reference_ms": statistics.median(ref_s) * 1e3,
+        "compiled_ms": statistics.median(ours_s) * 1e3,
+        "speedup": statistics.median(ratios),
+    }
+    print(
+        f"{name:28s} reference {res['reference_ms']:9.3f} ms  compiled {res['compiled_ms']:9.3f} ms  "
+        f"x{res['speedup']:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
     return res
 
 
@@ -57,8 +65,12 @@ def delta_inputs(tokens: int):
     return q, k, v, g, beta
 
 
-LINEAR_ATTENTION_OPS = ("causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule",
-                        "recurrent_gated_delta_rule")
+LINEAR_ATTENTION_OPS = (
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+)
 
 
 def engine_side_by_side(args) -> dict:
@@ -71,7 +83,8 @@ def engine_side_by_side(args) -> dict:
 
     cpu = ops_table.get_ops("cpu")
     reference_linear = dataclasses.replace(
-        cpu, **{name: getattr(ops_table.REFERENCE_OPS, name) for name in LINEAR_ATTENTION_OPS})
+        cpu, **{name: getattr(ops_table.REFERENCE_OPS, name) for name in LINEAR_ATTENTION_OPS}
+    )
     engines = {}
     try:  # the model takes its ops table once, when it is built
         ops_table._chosen["cpu"] = reference_linear
@@ -90,20 +103,28 @@ def engine_side_by_side(args) -> dict:
             rates[name].append(run_offline(engine, requests, f"r{r}")["tokens_per_s"])
             print(f"round {r} {name:18s} {rates[name][-1]:7.1f} tok/s", file=sys.stderr, flush=True)
     median = {name: statistics.median(v) for name, v in rates.items()}
-    return {"workload": spec.describe(), "tokens_per_s": rates, "median_tokens_per_s": median,
-            "compiled_vs_reference": median["qwen3_5_compiled"] / median["qwen3_5_reference"],
-            "qwen3_5_vs_qwen3": median["qwen3_5_compiled"] / median["qwen3"]}
+    return {
+        "workload": spec.describe(),
+        "tokens_per_s": rates,
+        "median_tokens_per_s": median,
+        "compiled_vs_reference": median["qwen3_5_compiled"] / median["qwen3_5_reference"],
+        "qwen3_5_vs_qwen3": median["qwen3_5_compiled"] / median["qwen3"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=16, help="sequences in a decode step")
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of a prefill step (4 sequences)")
+    p.add_argument(
+        "--prefill-tokens", type=int, default=2048, help="tokens of a prefill step (4 sequences)"
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--engine", action="store_true", help="whole engines instead of the kernels")
-    p.add_argument("--full", action="store_true", help="with --engine: bench.engine's full workload")
+    p.add_argument(
+        "--full", action="store_true", help="with --engine: bench.engine's full workload"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -128,11 +149,16 @@ def main(argv: list[str] | None = None) -> dict:
         def run():
             for slots in layer_slots:  # one call per layer, each on its own states
                 fn(q, k, v, g, beta, ssm_state=pool, state_indices=slots, scale=DK**-0.5)
+
         return run
 
     report["decode_delta_rule_9_layers"] = side_by_side(
-        f"decode delta rule x{b} x9", decode_step(delta_rule.recurrent_gated_delta_rule),
-        decode_step(cpu_ext.recurrent_gated_delta_rule), args.rounds, 3)
+        f"decode delta rule x{b} x9",
+        decode_step(delta_rule.recurrent_gated_delta_rule),
+        decode_step(cpu_ext.recurrent_gated_delta_rule),
+        args.rounds,
+        3,
+    )
 
     conv_state = torch.randn(num_slots, CONV_DIM, KERNEL - 1)
     x = torch.randn(b, CONV_DIM + 1024 + 2 * HEADS)[:, :CONV_DIM]  # a slice of the fused projection
@@ -142,11 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
         def run():
             for slots in layer_slots:
                 fn(x, weight, conv_state, slots)
+
         return run
 
     report["decode_conv_9_layers"] = side_by_side(
-        f"decode conv update x{b} x9", conv_step(conv.causal_conv1d_update),
-        conv_step(cpu_ext.causal_conv1d_update), args.rounds, 10)
+        f"decode conv update x{b} x9",
+        conv_step(conv.causal_conv1d_update),
+        conv_step(cpu_ext.causal_conv1d_update),
+        args.rounds,
+        10,
+    )
 
     n = args.prefill_tokens
     lens = [n // 4] * 3 + [n - 3 * (n // 4)]
@@ -156,22 +187,46 @@ def main(argv: list[str] | None = None) -> dict:
     pq, pk, pv, pg, pbeta = delta_inputs(n)
 
     def prefill_delta(fn):
-        return lambda: fn(pq, pk, pv, pg, pbeta, ssm_state=pool, query_start_loc=qsl, state_indices=slots,
-                          has_initial_state=has_init, scale=DK**-0.5)
+        return lambda: fn(
+            pq,
+            pk,
+            pv,
+            pg,
+            pbeta,
+            ssm_state=pool,
+            query_start_loc=qsl,
+            state_indices=slots,
+            has_initial_state=has_init,
+            scale=DK**-0.5,
+        )
 
     report["prefill_delta_rule_1_layer"] = side_by_side(
-        f"prefill delta rule {n} tok", prefill_delta(delta_rule.chunk_gated_delta_rule),
-        prefill_delta(cpu_ext.chunk_gated_delta_rule), args.rounds, 1)
+        f"prefill delta rule {n} tok",
+        prefill_delta(delta_rule.chunk_gated_delta_rule),
+        prefill_delta(cpu_ext.chunk_gated_delta_rule),
+        args.rounds,
+        1,
+    )
 
     px = torch.randn(n, CONV_DIM + 1024 + 2 * HEADS)[:, :CONV_DIM]
 
     def prefill_conv(fn):
-        return lambda: fn(px, weight, conv_state, query_start_loc=qsl, state_indices=slots,
-                          has_initial_state=has_init)
+        return lambda: fn(
+            px,
+            weight,
+            conv_state,
+            query_start_loc=qsl,
+            state_indices=slots,
+            has_initial_state=has_init,
+        )
 
     report["prefill_conv_1_layer"] = side_by_side(
-        f"prefill conv {n} tok", prefill_conv(conv.causal_conv1d), prefill_conv(cpu_ext.causal_conv1d),
-        args.rounds, 2)
+        f"prefill conv {n} tok",
+        prefill_conv(conv.causal_conv1d),
+        prefill_conv(cpu_ext.causal_conv1d),
+        args.rounds,
+        2,
+    )
     with open("/proc/pressure/cpu") as f:
         report["cpu_pressure_some_avg60"] = float(f.readline().split()[2].split("=")[1])
     if args.json:

@@ -39,8 +39,14 @@ from orchestrator.bench import SENTENCES  # noqa: E402
 FORMATS = ("pcm", "mp3")
 RATE_HZ = 24000  # what /v1 always sends; the gRPC requests ask for it too
 REPEATS = 5  # later requests the first one is compared with
-REPORT_FIELDS = ("ttfa_ms", "frontend_ms", "queue_ms", "prefill_ms", "ttft_ms",
-                 "vocoder_compute_ms")
+REPORT_FIELDS = (
+    "ttfa_ms",
+    "frontend_ms",
+    "queue_ms",
+    "prefill_ms",
+    "ttft_ms",
+    "vocoder_compute_ms",
+)
 
 
 def log(msg: str) -> None:
@@ -64,8 +70,9 @@ class GrpcClient:
     def ttfa_ms(self, text: str, fmt: str) -> float:
         pb = self.pb
         encoding = {"pcm": pb.LINEAR16, "mp3": pb.MP3}[fmt]
-        req = pb.SynthesizeRequest(text=text, audio_config=pb.AudioConfig(
-            encoding=encoding, sample_rate_hz=RATE_HZ))
+        req = pb.SynthesizeRequest(
+            text=text, audio_config=pb.AudioConfig(encoding=encoding, sample_rate_hz=RATE_HZ)
+        )
         first = None
         started = time.perf_counter()
         for resp in self.stub.Synthesize(req, timeout=600):
@@ -90,11 +97,13 @@ class HttpClient:
         self.voice = voice
 
     def ttfa_ms(self, text: str, fmt: str) -> float:
-        body = json.dumps({"model": "tts-1", "voice": self.voice, "input": text,
-                           "response_format": fmt})
+        body = json.dumps(
+            {"model": "tts-1", "voice": self.voice, "input": text, "response_format": fmt}
+        )
         started = time.perf_counter()
-        self.conn.request("POST", "/v1/audio/speech", body=body,
-                          headers={"Content-Type": "application/json"})
+        self.conn.request(
+            "POST", "/v1/audio/speech", body=body, headers={"Content-Type": "application/json"}
+        )
         resp = self.conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/v1 {fmt}: HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -151,10 +160,15 @@ def relay_only(n: int = 200) -> dict:
     grpc_client.close()
     http_client.close()
     diffs = [b - a for a, b in zip(times["grpc"], times["v1"])]
-    out = {"grpc": summary(times["grpc"]), "v1": summary(times["v1"]),
-           "v1_minus_grpc_median_ms": round(statistics.median(diffs), 3)}
-    log(f"relay alone: gRPC p50 {out['grpc']['p50_ms']} ms, /v1 p50 {out['v1']['p50_ms']} ms, "
-        f"median per-pair difference {out['v1_minus_grpc_median_ms']} ms")
+    out = {
+        "grpc": summary(times["grpc"]),
+        "v1": summary(times["v1"]),
+        "v1_minus_grpc_median_ms": round(statistics.median(diffs), 3),
+    }
+    log(
+        f"relay alone: gRPC p50 {out['grpc']['p50_ms']} ms, /v1 p50 {out['v1']['p50_ms']} ms, "
+        f"median per-pair difference {out['v1_minus_grpc_median_ms']} ms"
+    )
     return out
 
 
@@ -163,8 +177,11 @@ def voice_name(voice_dir: Path) -> str:
 
 
 def summary(values: list[float]) -> dict:
-    return {"p50_ms": round(percentile(values, 50), 2), "p95_ms": round(percentile(values, 95), 2),
-            "n": len(values)}
+    return {
+        "p50_ms": round(percentile(values, 50), 2),
+        "p95_ms": round(percentile(values, 95), 2),
+        "n": len(values),
+    }
 
 
 def cold_start(voice_dir: Path, api: str) -> dict:
@@ -173,9 +190,11 @@ def cold_start(voice_dir: Path, api: str) -> dict:
     service's prefix cache). Through gRPC also the stages of the server's own reports."""
     client_ms, server = [], []
     with Deployment(voice_dir, "split", http=True) as d:
-        client = HttpClient(d.http_port, voice_name(voice_dir)) if api == "v1" else GrpcClient(d.address)
+        client = (
+            HttpClient(d.http_port, voice_name(voice_dir)) if api == "v1" else GrpcClient(d.address)
+        )
         try:
-            for text in SENTENCES[:1 + REPEATS]:
+            for text in SENTENCES[: 1 + REPEATS]:
                 client_ms.append(client.ttfa_ms(text, "pcm"))
                 if api == "grpc":
                     server.append({k: getattr(client.report, k) for k in REPORT_FIELDS})
@@ -183,14 +202,21 @@ def cold_start(voice_dir: Path, api: str) -> dict:
             client.close()
     first, later = client_ms[0], client_ms[1:]
     median = statistics.median(later)
-    out = {"first_ms": round(first, 2), "later_median_ms": round(median, 2),
-           "first_minus_later_ms": round(first - median, 2), "later_ms": [round(x, 2) for x in later]}
+    out = {
+        "first_ms": round(first, 2),
+        "later_median_ms": round(median, 2),
+        "first_minus_later_ms": round(first - median, 2),
+        "later_ms": [round(x, 2) for x in later],
+    }
     if server:  # first / median of later, each stage of the server's report
         out["report_first_vs_later_ms"] = {
             k: [round(server[0][k], 2), round(statistics.median(r[k] for r in server[1:]), 2)]
-            for k in REPORT_FIELDS}
-    log(f"{api}: first request {first:.1f} ms, later ones {median:.1f} ms (median of {REPEATS})"
-        + (f"; server report, first / later: {out['report_first_vs_later_ms']}" if server else ""))
+            for k in REPORT_FIELDS
+        }
+    log(
+        f"{api}: first request {first:.1f} ms, later ones {median:.1f} ms (median of {REPEATS})"
+        + (f"; server report, first / later: {out['report_first_vs_later_ms']}" if server else "")
+    )
     return out
 
 
@@ -198,7 +224,10 @@ def pairs(voice_dir: Path, n: int) -> dict:
     """`n` pairs per format at concurrency 1, the two APIs back to back in alternating order."""
     out = {}
     with Deployment(voice_dir, "split", http=True) as d:
-        grpc_client, http_client = GrpcClient(d.address), HttpClient(d.http_port, voice_name(voice_dir))
+        grpc_client, http_client = (
+            GrpcClient(d.address),
+            HttpClient(d.http_port, voice_name(voice_dir)),
+        )
         clients = {"grpc": grpc_client.ttfa_ms, "v1": http_client.ttfa_ms}
         try:
             # untimed: every sentence once, so that every timed request finds it in the G2P's
@@ -222,24 +251,38 @@ def pairs(voice_dir: Path, n: int) -> dict:
     for fmt in FORMATS:
         g, v = times["grpc", fmt], times["v1", fmt]
         diffs = [b - a for a, b in zip(g, v)]
-        out[fmt] = {"grpc": summary(g), "v1": summary(v),
-                    "v1_minus_grpc_median_ms": round(statistics.median(diffs), 2),
-                    "v1_minus_grpc_p95_ms": round(percentile(diffs, 95), 2)}
-        log(f"{fmt}: gRPC p50 {out[fmt]['grpc']['p50_ms']} ms, /v1 p50 {out[fmt]['v1']['p50_ms']} "
-            f"ms, median per-pair difference {out[fmt]['v1_minus_grpc_median_ms']} ms")
+        out[fmt] = {
+            "grpc": summary(g),
+            "v1": summary(v),
+            "v1_minus_grpc_median_ms": round(statistics.median(diffs), 2),
+            "v1_minus_grpc_p95_ms": round(percentile(diffs, 95), 2),
+        }
+        log(
+            f"{fmt}: gRPC p50 {out[fmt]['grpc']['p50_ms']} ms, /v1 p50 {out[fmt]['v1']['p50_ms']} "
+            f"ms, median per-pair difference {out[fmt]['v1_minus_grpc_median_ms']} ms"
+        )
     return out
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int,
-                   help="pairs per format (default 20, 6 with --quick; 0: only the first requests)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        help="pairs per format (default 20, 6 with --quick; 0: only the first requests)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--voice", help="voice directory (default: voices/default)")
-    p.add_argument("--cold-runs", type=int, default=1,
-                   help="fresh deployments per API for the first-request figures (medians over "
-                        "them; 0 skips them)")
+    p.add_argument(
+        "--cold-runs",
+        type=int,
+        default=1,
+        help="fresh deployments per API for the first-request figures (medians over "
+        "them; 0 skips them)",
+    )
     args = p.parse_args()
     n = args.pairs if args.pairs is not None else (6 if args.quick else 20)
     if args.cold_runs < 0:
@@ -250,16 +293,27 @@ def main() -> int:
     # the client is not under test: keep it off the vocoder's core, as bench/e2e.py does
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {0})
-    out: dict = {"voice": str(voice_dir), "voice_kind": voice_kind, "pairs": n,
-                 "sample_rate_hz": RATE_HZ, "machine_load_start": machine_load()}
+    out: dict = {
+        "voice": str(voice_dir),
+        "voice_kind": voice_kind,
+        "pairs": n,
+        "sample_rate_hz": RATE_HZ,
+        "machine_load_start": machine_load(),
+    }
     started = time.perf_counter()
     if args.cold_runs:
-        runs = {api: [cold_start(voice_dir, api) for _ in range(args.cold_runs)]
-                for api in ("v1", "grpc")}
-        out["first_request"] = {api: {
-            "first_ms": round(statistics.median(r["first_ms"] for r in rs), 2),
-            "later_median_ms": round(statistics.median(r["later_median_ms"] for r in rs), 2),
-            "runs": rs} for api, rs in runs.items()}
+        runs = {
+            api: [cold_start(voice_dir, api) for _ in range(args.cold_runs)]
+            for api in ("v1", "grpc")
+        }
+        out["first_request"] = {
+            api: {
+                "first_ms": round(statistics.median(r["first_ms"] for r in rs), 2),
+                "later_median_ms": round(statistics.median(r["later_median_ms"] for r in rs), 2),
+                "runs": rs,
+            }
+            for api, rs in runs.items()
+        }
     if n:
         out["formats"] = pairs(voice_dir, n)
     # last: its in-process gRPC server would otherwise be running when the deployments fork
@@ -271,15 +325,21 @@ def main() -> int:
         return 0
     print(f"voice: {voice_kind} ({voice_dir}); {n} pairs per format, concurrency 1")
     for fmt, r in out.get("formats", {}).items():
-        print(f"  {fmt}: gRPC p50/p95 {r['grpc']['p50_ms']:.1f}/{r['grpc']['p95_ms']:.1f} ms, "
-              f"/v1 {r['v1']['p50_ms']:.1f}/{r['v1']['p95_ms']:.1f} ms, "
-              f"/v1 - gRPC per pair: median {r['v1_minus_grpc_median_ms']:.1f} ms")
+        print(
+            f"  {fmt}: gRPC p50/p95 {r['grpc']['p50_ms']:.1f}/{r['grpc']['p95_ms']:.1f} ms, "
+            f"/v1 {r['v1']['p50_ms']:.1f}/{r['v1']['p95_ms']:.1f} ms, "
+            f"/v1 - gRPC per pair: median {r['v1_minus_grpc_median_ms']:.1f} ms"
+        )
     r = out["relay_only"]
-    print(f"  relay alone (a servicer that answers at once): gRPC p50 {r['grpc']['p50_ms']:.2f} ms, "
-          f"/v1 {r['v1']['p50_ms']:.2f} ms, per pair: median {r['v1_minus_grpc_median_ms']:.2f} ms")
+    print(
+        f"  relay alone (a servicer that answers at once): gRPC p50 {r['grpc']['p50_ms']:.2f} ms, "
+        f"/v1 {r['v1']['p50_ms']:.2f} ms, per pair: median {r['v1_minus_grpc_median_ms']:.2f} ms"
+    )
     for api, r in out.get("first_request", {}).items():
-        print(f"  first request via {api}: {r['first_ms']:.1f} ms, later ones {r['later_median_ms']:.1f}"
-              f" ms (medians over {len(r['runs'])} fresh deployment(s), {REPEATS} later each)")
+        print(
+            f"  first request via {api}: {r['first_ms']:.1f} ms, later ones {r['later_median_ms']:.1f}"
+            f" ms (medians over {len(r['runs'])} fresh deployment(s), {REPEATS} later each)"
+        )
     print(f"  machine load {out['machine_load_start']} -> {out['machine_load_end']}")
     print("goals: /v1 - gRPC median <= 10 ms; the first request as fast as later ones")
     return 0

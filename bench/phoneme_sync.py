@@ -10,6 +10,7 @@ is given for wall time and for the process's CPU time.
 
     python -m bench.phoneme_sync [--model voices/default/lm] [--seqs 64] [--tokens 160] [--runs 5] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,13 @@ def _prompts(tokenizer_path: str, n: int) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_path)
-    base = ["h@l'oU D'e@ mI2 fr'End", "D@ w'ED3 t@d'eI Iz k'u:l and br'aIt",
-            "wi: w'Il w'O:k t@ D@ p'A@k 'aeft3 l'VntS", "D'Is Iz D@ d'Ifo@lt v'OIs",
-            "tS;'i55n_| th'iE55n_| X'@35n_| X'Au214_|"]
+    base = [
+        "h@l'oU D'e@ mI2 fr'End",
+        "D@ w'ED3 t@d'eI Iz k'u:l and br'aIt",
+        "wi: w'Il w'O:k t@ D@ p'A@k 'aeft3 l'VntS",
+        "D'Is Iz D@ d'Ifo@lt v'OIs",
+        "tS;'i55n_| th'iE55n_| X'@35n_| X'Au214_|",
+    ]
     out = []
     for i in range(n):
         text = " ".join(base[(i + k) % len(base)] for k in range(1 + i % 3))
@@ -38,15 +43,30 @@ def _prompts(tokenizer_path: str, n: int) -> list[list[int]]:
     return out
 
 
-def build(model: str, seqs: int, tokens: int, constrained: bool, prompts, speech: tuple[int, int],
-          end: int):
+def build(
+    model: str,
+    seqs: int,
+    tokens: int,
+    constrained: bool,
+    prompts,
+    speech: tuple[int, int],
+    end: int,
+):
     """An engine holding `seqs` requests of exactly `tokens` output tokens each."""
     from text_service.constraints import PhonemeSync
     from text_service.engine import EngineArgs, LLMEngine
     from text_service.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineArgs(model=model, device="cpu", max_num_seqs=seqs, seed=0,
-                                  kv_cache_memory_bytes=1 << 29, enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineArgs(
+            model=model,
+            device="cpu",
+            max_num_seqs=seqs,
+            seed=0,
+            kv_cache_memory_bytes=1 << 29,
+            enable_prefix_caching=False,
+        )
+    )
     for i, prompt in enumerate(prompts):
         if constrained:
             phonemes = prompt[1:-1]
@@ -54,9 +74,13 @@ def build(model: str, seqs: int, tokens: int, constrained: bool, prompts, speech
             speech_total = tokens - n - 1
             d = [speech_total // n + (1 if k < speech_total % n else 0) for k in range(n)]
             c = PhonemeSync(tuple(phonemes), speech, end, tuple(d), tuple(d))
-            sp = SamplingParams(temperature=0.7, top_k=50, seed=i, max_tokens=tokens, phoneme_sync=c)
+            sp = SamplingParams(
+                temperature=0.7, top_k=50, seed=i, max_tokens=tokens, phoneme_sync=c
+            )
         else:
-            sp = SamplingParams(temperature=0.7, top_k=50, seed=i, max_tokens=tokens, ignore_eos=True)
+            sp = SamplingParams(
+                temperature=0.7, top_k=50, seed=i, max_tokens=tokens, ignore_eos=True
+            )
         engine.add_request(f"r{i}", prompt, sp)
     return engine
 
@@ -65,7 +89,9 @@ def run_pair(plain, synced, expected: int, sync_first: bool) -> dict:
     """Step both engines in lockstep until done; seconds of wall and CPU time spent in each."""
     spent = {"plain": [0.0, 0.0], "sync": [0.0, 0.0]}
     produced = {"plain": 0, "sync": 0}
-    order = [("sync", synced), ("plain", plain)] if sync_first else [("plain", plain), ("sync", synced)]
+    order = (
+        [("sync", synced), ("plain", plain)] if sync_first else [("plain", plain), ("sync", synced)]
+    )
     while any(e.has_unfinished_requests() for _, e in order):
         for name, engine in order:
             if not engine.has_unfinished_requests():
@@ -82,7 +108,9 @@ def run_pair(plain, synced, expected: int, sync_first: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="voices/default/lm")
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--tokens", type=int, default=160)
@@ -98,9 +126,12 @@ def main() -> None:
     end = manifest["end_token_id"]
 
     def pair(first: bool) -> dict:
-        return run_pair(build(args.model, args.seqs, args.tokens, False, prompts, speech, end),
-                        build(args.model, args.seqs, args.tokens, True, prompts, speech, end),
-                        args.seqs * args.tokens, first)
+        return run_pair(
+            build(args.model, args.seqs, args.tokens, False, prompts, speech, end),
+            build(args.model, args.seqs, args.tokens, True, prompts, speech, end),
+            args.seqs * args.tokens,
+            first,
+        )
 
     pair(False)  # warm-up
     wall, cpu, plain_s, sync_s = [], [], [], []
@@ -110,13 +141,27 @@ def main() -> None:
         sync_s.append(spent["sync"][0])
         wall.append(spent["sync"][0] / spent["plain"][0])
         cpu.append(spent["sync"][1] / spent["plain"][1])
-        print(f"plain {plain_s[-1]:.3f} s  phoneme_sync {sync_s[-1]:.3f} s  wall ratio "
-              f"{wall[-1]:.4f}  cpu ratio {cpu[-1]:.4f}", file=sys.stderr, flush=True)
-    result = {"seqs": args.seqs, "tokens_per_seq": args.tokens, "runs": args.runs, "threads": args.threads,
-              "plain_s_median": statistics.median(plain_s), "phoneme_sync_s_median": statistics.median(sync_s),
-              "step_time_ratio": statistics.median(wall), "cpu_time_ratio": statistics.median(cpu),
-              "ratios": [round(r, 4) for r in wall], "cpu_ratios": [round(r, 4) for r in cpu],
-              "goal": "<= 1.03", "load_before": load_before, "load_after": machine_load()}
+        print(
+            f"plain {plain_s[-1]:.3f} s  phoneme_sync {sync_s[-1]:.3f} s  wall ratio "
+            f"{wall[-1]:.4f}  cpu ratio {cpu[-1]:.4f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    result = {
+        "seqs": args.seqs,
+        "tokens_per_seq": args.tokens,
+        "runs": args.runs,
+        "threads": args.threads,
+        "plain_s_median": statistics.median(plain_s),
+        "phoneme_sync_s_median": statistics.median(sync_s),
+        "step_time_ratio": statistics.median(wall),
+        "cpu_time_ratio": statistics.median(cpu),
+        "ratios": [round(r, 4) for r in wall],
+        "cpu_ratios": [round(r, 4) for r in cpu],
+        "goal": "<= 1.03",
+        "load_before": load_before,
+        "load_after": machine_load(),
+    }
     print(json.dumps(result, indent=None if args.json else 1))
 
 

@@ -39,9 +39,13 @@ from orchestrator.launcher import Process, start_service  # noqa: E402
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc  # noqa: E402
 from tests.procs import rss_bytes, scrape, wait_until  # noqa: E402
 
-TEXT_GAUGES = ("splittts_text_num_used_kv_blocks", "splittts_text_num_used_state_slots",
-               "splittts_text_num_requests_running", "splittts_text_num_requests_waiting",
-               "splittts_text_num_requests_paused")
+TEXT_GAUGES = (
+    "splittts_text_num_used_kv_blocks",
+    "splittts_text_num_used_state_slots",
+    "splittts_text_num_requests_running",
+    "splittts_text_num_requests_waiting",
+    "splittts_text_num_requests_paused",
+)
 VOCODER_GAUGES = ("splittts_vocoder_active_streams", "splittts_vocoder_audio_ahead_seconds")
 ORCH_GAUGES = ("splittts_tts_requests_in_flight",)
 LONG_TEXT = " ".join(SENTENCES)  # about 25 s of audio: still streaming when a replica dies
@@ -60,8 +64,14 @@ class Cluster:
 
     def start_backend(self, name: str, port: int = 0) -> Process:
         if name.startswith("text"):
-            args = ["--model", str(self.voice_dir / "lm"), "--threads", "1",
-                    "--kv-cache-memory", "256MiB"]
+            args = [
+                "--model",
+                str(self.voice_dir / "lm"),
+                "--threads",
+                "1",
+                "--kv-cache-memory",
+                "256MiB",
+            ]
             module = "text_service"
         else:
             args, module = ["--voice", str(self.voice_dir), "--threads", "1"], "vocoder_service"
@@ -73,11 +83,25 @@ class Cluster:
             for name in ("text-a", "text-b", "voc-a", "voc-b"):
                 self.start_backend(name)
             p = self.procs
-            self.procs["orch"] = start_service("orch", "orchestrator", [
-                "--voice", str(self.voice_dir), "--http-port", "-1",
-                "--text-service", p["text-a"].address, "--text-service", p["text-b"].address,
-                "--vocoder-service", p["voc-a"].address, "--vocoder-service", p["voc-b"].address],
-                metrics_port=0)
+            self.procs["orch"] = start_service(
+                "orch",
+                "orchestrator",
+                [
+                    "--voice",
+                    str(self.voice_dir),
+                    "--http-port",
+                    "-1",
+                    "--text-service",
+                    p["text-a"].address,
+                    "--text-service",
+                    p["text-b"].address,
+                    "--vocoder-service",
+                    p["voc-a"].address,
+                    "--vocoder-service",
+                    p["voc-b"].address,
+                ],
+                metrics_port=0,
+            )
         except BaseException:
             self.__exit__()
             raise
@@ -102,8 +126,13 @@ class Cluster:
         """Every cache, queue and stream gauge that a finished or cancelled call must return to 0."""
         out = {}
         for name, p in self.procs.items():
-            names = (TEXT_GAUGES if name.startswith("text") else
-                     VOCODER_GAUGES if name.startswith("voc") else ORCH_GAUGES)
+            names = (
+                TEXT_GAUGES
+                if name.startswith("text")
+                else VOCODER_GAUGES
+                if name.startswith("voc")
+                else ORCH_GAUGES
+            )
             out[name] = {g.removeprefix("splittts_"): round(scrape(p, g), 6) for g in names}
         return out
 
@@ -111,11 +140,17 @@ class Cluster:
 def leftovers(cluster: Cluster, timeout: float = 30.0) -> dict:
     """The gauges once they are all 0 (or after `timeout`), and how long that took."""
     started = time.monotonic()
-    wait_until(lambda: not any(v for g in cluster.gauges().values() for v in g.values()),
-               timeout=timeout, interval=0.5)
+    wait_until(
+        lambda: not any(v for g in cluster.gauges().values() for v in g.values()),
+        timeout=timeout,
+        interval=0.5,
+    )
     gauges = cluster.gauges()
-    return {"gauges": gauges, "settle_s": round(time.monotonic() - started, 2),
-            "nonzero": sum(1 for g in gauges.values() for v in g.values() if v)}
+    return {
+        "gauges": gauges,
+        "settle_s": round(time.monotonic() - started, 2),
+        "nonzero": sum(1 for g in gauges.values() for v in g.values() if v),
+    }
 
 
 def request(i: int, seed: int | None = None) -> pb.SynthesizeRequest:
@@ -135,6 +170,7 @@ def streamed(req: pb.SynthesizeRequest, rng: random.Random):
         for k, word in enumerate(words):
             time.sleep(pause)
             yield pb.StreamingSynthesizeRequest(text=word + (" " if k < len(words) - 1 else ""))
+
     return pieces()
 
 
@@ -145,8 +181,11 @@ def one_cancel(stub, rng: random.Random, audio_s: list[float]) -> tuple[str, str
     where = rng.choice(("before_audio", "mid_stream", "near_end", "deadline"))
     timeout = rng.uniform(0.05, 1.5) if where == "deadline" else 300.0
     streaming = rng.random() < 0.3
-    call = (stub.StreamingSynthesize(streamed(req, rng), timeout=timeout) if streaming
-            else stub.Synthesize(req, timeout=timeout))
+    call = (
+        stub.StreamingSynthesize(streamed(req, rng), timeout=timeout)
+        if streaming
+        else stub.Synthesize(req, timeout=timeout)
+    )
     stop_at = {"mid_stream": rng.uniform(0.05, 0.6), "near_end": rng.uniform(0.8, 0.99)}.get(where)
     try:
         if where == "before_audio":
@@ -198,10 +237,14 @@ def run_cancels(cluster: Cluster, n: int, concurrency: int, seed: int) -> dict:
     for t in threads:
         t.join()
     expected = {"CANCELLED", "DEADLINE_EXCEEDED", "OK"}
-    return {"calls": n, "concurrency": concurrency, "wall_s": round(time.monotonic() - started, 1),
-            "outcomes": dict(sorted(outcomes.items())),
-            "unexpected": sum(v for k, v in outcomes.items() if k.split(":")[1] not in expected),
-            "after": leftovers(cluster)}
+    return {
+        "calls": n,
+        "concurrency": concurrency,
+        "wall_s": round(time.monotonic() - started, 1),
+        "outcomes": dict(sorted(outcomes.items())),
+        "unexpected": sum(v for k, v in outcomes.items() if k.split(":")[1] not in expected),
+        "after": leftovers(cluster),
+    }
 
 
 def slope_mib_per_min(samples: list[tuple[float, float]]) -> float:
@@ -263,12 +306,25 @@ def run_soak(cluster: Cluster, streams: int, seconds: float) -> dict:
     memory = {}
     for name, s in rss.items():
         mid = min(s, key=lambda x: abs(x[0] - span / 2))
-        memory[name] = {"start_mib": mib(s[0][1]), "middle_mib": mib(mid[1]), "end_mib": mib(s[-1][1]),
-                        "slope_second_half_mib_per_min": round(slope_mib_per_min(
-                            [x for x in s if x[0] >= span / 2]), 2)}
-    return {"streams": streams, "seconds": seconds, "wall_s": round(span, 1),
-            "completed": done[0], "audio_s": round(audio[0], 1), "errors": dict(errors),
-            "error_count": sum(errors.values()), "rss": memory, "after": leftovers(cluster)}
+        memory[name] = {
+            "start_mib": mib(s[0][1]),
+            "middle_mib": mib(mid[1]),
+            "end_mib": mib(s[-1][1]),
+            "slope_second_half_mib_per_min": round(
+                slope_mib_per_min([x for x in s if x[0] >= span / 2]), 2
+            ),
+        }
+    return {
+        "streams": streams,
+        "seconds": seconds,
+        "wall_s": round(span, 1),
+        "completed": done[0],
+        "audio_s": round(audio[0], 1),
+        "errors": dict(errors),
+        "error_count": sum(errors.values()),
+        "rss": memory,
+        "after": leftovers(cluster),
+    }
 
 
 class LongCall:
@@ -284,7 +340,8 @@ class LongCall:
         try:
             with grpc.insecure_channel(address) as ch:
                 for _ in tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                        pb.SynthesizeRequest(text=LONG_TEXT), timeout=300):
+                    pb.SynthesizeRequest(text=LONG_TEXT), timeout=300
+                ):
                     self.first.set()
         except grpc.RpcError as exc:
             self.failed_at = time.monotonic()
@@ -297,16 +354,25 @@ def served_by(address: str, service: str) -> str | None:
     """One short call; the replica of `service` that served it (None if the call failed)."""
     try:
         with grpc.insecure_channel(address) as ch:
-            report = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                pb.SynthesizeRequest(text="Yes."), timeout=120))[-1].report
+            report = list(
+                tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                    pb.SynthesizeRequest(text="Yes."), timeout=120
+                )
+            )[-1].report
         return next(h.address for h in report.hops if h.service == service)
     except grpc.RpcError:
         return None
 
 
 def kill_and_recover(cluster: Cluster, kind: str) -> dict:
-    service, names = ("text", ("text-a", "text-b")) if kind == "text" else ("vocoder", ("voc-a", "voc-b"))
-    gauge = "splittts_text_num_requests_running" if kind == "text" else "splittts_vocoder_active_streams"
+    service, names = (
+        ("text", ("text-a", "text-b")) if kind == "text" else ("vocoder", ("voc-a", "voc-b"))
+    )
+    gauge = (
+        "splittts_text_num_requests_running"
+        if kind == "text"
+        else "splittts_vocoder_active_streams"
+    )
     call = LongCall(cluster.address)
     call.first.wait(120)
 
@@ -316,15 +382,22 @@ def kill_and_recover(cluster: Cluster, kind: str) -> dict:
     wait_until(lambda: bool(busy()), timeout=30, interval=0.05)
     on = busy()
     if not on or call.code != "OK":
-        return {"ok": False, "why": f"no call in flight on a {kind} replica ({call.code} {call.details})"}
+        return {
+            "ok": False,
+            "why": f"no call in flight on a {kind} replica ({call.code} {call.details})",
+        }
     victim = cluster.procs[on[0]]
     survivor = cluster.procs[next(n for n in names if n != on[0])]
     killed_at = time.monotonic()
     victim.proc.kill()
     call.thread.join(60)
     victim.proc.wait()
-    out: dict = {"killed": victim.name, "caller_status": call.code, "caller_details": call.details,
-                 "kill_to_error_s": round(call.failed_at - killed_at, 3) if call.failed_at else None}
+    out: dict = {
+        "killed": victim.name,
+        "caller_status": call.code,
+        "caller_details": call.details,
+        "kill_to_error_s": round(call.failed_at - killed_at, 3) if call.failed_at else None,
+    }
     after = [served_by(cluster.address, service) for _ in range(4)]
     out["calls_after_kill_on_survivor"] = sum(a == survivor.address for a in after)
     out["calls_after_kill"] = len(after)
@@ -336,8 +409,10 @@ def kill_and_recover(cluster: Cluster, kind: str) -> dict:
 
     def pair_reaches_restarted() -> bool:  # two at once: the idle replica gets one of them
         hits: list[str | None] = []
-        ts = [threading.Thread(target=lambda: hits.append(served_by(cluster.address, service)))
-              for _ in range(2)]
+        ts = [
+            threading.Thread(target=lambda: hits.append(served_by(cluster.address, service)))
+            for _ in range(2)
+        ]
         for t in ts:
             t.start()
         for t in ts:
@@ -347,15 +422,23 @@ def kill_and_recover(cluster: Cluster, kind: str) -> dict:
         return bool(first_success)
 
     wait_until(pair_reaches_restarted, timeout=60, interval=0.1)
-    out["serving_to_first_success_s"] = round(first_success[0] - serving_at, 2) if first_success else None
-    out["ok"] = (call.code == "UNAVAILABLE" and out["kill_to_error_s"] is not None
-                 and out["kill_to_error_s"] <= 1.0 and all(a == survivor.address for a in after)
-                 and bool(first_success))
+    out["serving_to_first_success_s"] = (
+        round(first_success[0] - serving_at, 2) if first_success else None
+    )
+    out["ok"] = (
+        call.code == "UNAVAILABLE"
+        and out["kill_to_error_s"] is not None
+        and out["kill_to_error_s"] <= 1.0
+        and all(a == survivor.address for a in after)
+        and bool(first_success)
+    )
     return out
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--quick", action="store_true", help="40 cancels and a 20 s soak")
     p.add_argument("--voice", default=str(ROOT / "voices" / "default"))
@@ -367,7 +450,11 @@ def main() -> int:
     cancels = args.cancels if args.cancels is not None else (40 if args.quick else 200)
     soak_s = args.soak_s if args.soak_s is not None else (20.0 if args.quick else 60.0)
     with open("/proc/pressure/cpu") as f:
-        out: dict = {"voice": args.voice, "cpus": os.cpu_count(), "pressure_cpu_before": f.read().strip()}
+        out: dict = {
+            "voice": args.voice,
+            "cpus": os.cpu_count(),
+            "pressure_cpu_before": f.read().strip(),
+        }
     started = time.monotonic()
     log("starting 2 text + 2 vocoder replicas and the orchestrator")
     with Cluster(Path(args.voice)) as cluster:
@@ -396,7 +483,11 @@ def main() -> int:
         print(json.dumps(out))
     else:
         print(json.dumps(out, indent=1))
-    log("all checks passed" if ok else "FAILED: " + ", ".join(k for k, v in out["checks"].items() if not v))
+    log(
+        "all checks passed"
+        if ok
+        else "FAILED: " + ", ".join(k for k, v in out["checks"].items() if not v)
+    )
     return 0 if ok else 1
 
 

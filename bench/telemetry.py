@@ -23,10 +23,12 @@ FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "npu_smi
 def sample_npu_smi(folder: Path) -> str:
     """A script that prints the 910B3 samples in npu-smi's place."""
     script = folder / "npu-smi"
-    script.write_text("#!/bin/sh\n"
-                      f'case "$*" in *usages*) cat {FIXTURES}/usages_910b3.txt;;\n'
-                      f'  *health*) cat {FIXTURES}/health_ok.txt;;\n'
-                      f'  *) cat {FIXTURES}/info_910b3.txt;; esac\n')
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$*" in *usages*) cat {FIXTURES}/usages_910b3.txt;;\n'
+        f"  *health*) cat {FIXTURES}/health_ok.txt;;\n"
+        f"  *) cat {FIXTURES}/info_910b3.txt;; esac\n"
+    )
     script.chmod(0o755)
     return str(script)
 
@@ -55,11 +57,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         binary = args.npu_smi or sample_npu_smi(Path(tmp))
         figures = {}
-        for name, sources in (("host", [HostSource()]),
-                              ("npu-smi+host", [HostSource(), NpuSmiSource(binary)])):
+        for name, sources in (
+            ("host", [HostSource()]),
+            ("npu-smi+host", [HostSource(), NpuSmiSource(binary)]),
+        ):
             per_refresh = cost(DeviceCollector(sources), args.rounds)
-            figures[name] = {"cpu_ms_per_refresh": round(1e3 * per_refresh, 3),
-                             "core_share_at_interval": round(per_refresh / args.interval, 6)}
+            figures[name] = {
+                "cpu_ms_per_refresh": round(1e3 * per_refresh, 3),
+                "core_share_at_interval": round(per_refresh / args.interval, 6),
+            }
     print(json.dumps({"interval_s": args.interval, **figures}))
 
 

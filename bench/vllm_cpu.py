@@ -6,6 +6,7 @@ timing as JSON; it runs twice, with its default threading and with both cores bo
 
     python -m bench.vllm_cpu [--quick] [--json] [--dtype float32|bfloat16] [--venv DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,20 @@ def worker(workload_path: str, model: str, dtype: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     requests = json.loads(Path(workload_path).read_text())
-    llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
-              max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
-              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, seed=0)
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=64,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        seed=0,
+    )
     startup = time.perf_counter() - start
 
     def params(n: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                              detokenize=False)
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
 
     warm = [TokensPrompt(prompt_token_ids=[5 + i] * 24) for i in range(4)]
     llm.generate(warm, [params(8)] * 4, use_tqdm=False)
@@ -53,29 +60,43 @@ def worker(workload_path: str, model: str, dtype: str, out_path: str) -> None:
     outs = llm.generate(prompts, [params(r["max_tokens"]) for r in requests], use_tqdm=False)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    Path(out_path).write_text(json.dumps({
-        "tokens_per_s": produced / elapsed, "elapsed_s": elapsed, "output_tokens": produced,
-        "startup_s": startup, "first_outputs": [list(o.outputs[0].token_ids) for o in outs[:2]],
-    }))
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "tokens_per_s": produced / elapsed,
+                "elapsed_s": elapsed,
+                "output_tokens": produced,
+                "startup_s": startup,
+                "first_outputs": [list(o.outputs[0].token_ids) for o in outs[:2]],
+            }
+        )
+    )
 
 
 # -- the driver: runs in the project venv ----------------------------------------------------------
 def install_commands(venv: Path) -> list[list[str]]:
     py = str(venv / "bin" / "python")
-    return [[getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)],
-            [py, "-m", "pip", "install", "-q", VLLM_PIN, "torch==2.13.0"],
-            # pip pulls CUDA-linked builds of these that break transformers' model imports.
-            [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    return [
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)],
+        [py, "-m", "pip", "install", "-q", VLLM_PIN, "torch==2.13.0"],
+        # pip pulls CUDA-linked builds of these that break transformers' model imports.
+        [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+    ]
 
 
 def ensure_venv(venv: Path, install: bool) -> None:
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+    if (
+        py.exists()
+        and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
+    ):
         return
     cmds = install_commands(venv)
     if not install:
-        sys.exit("vLLM's CPU build is not installed; create its venv with:\n  "
-                 + "\n  ".join(" ".join(c) for c in cmds))
+        sys.exit(
+            "vLLM's CPU build is not installed; create its venv with:\n  "
+            + "\n  ".join(" ".join(c) for c in cmds)
+        )
     log(f"creating {venv} (about 70 s, 3.4 GB)")
     for c in cmds:
         log("  " + " ".join(c))
@@ -99,20 +120,42 @@ def ensure_tcmalloc(install: bool) -> bool:
 
 def find_iomp(venv: Path) -> Path | None:
     # intel-openmp installs it into the venv's lib/, not site-packages
-    return next(iter(sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))), None)
+    return next(
+        iter(
+            sorted(venv.glob("lib/libiomp5.so"))
+            + sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))
+        ),
+        None,
+    )
 
 
-def run_vllm(venv: Path, model: Path, dtype: str, workload: Path, workdir: Path, mode: str,
-             extra_env: dict[str, str], timeout: float) -> dict:
+def run_vllm(
+    venv: Path,
+    model: Path,
+    dtype: str,
+    workload: Path,
+    workdir: Path,
+    mode: str,
+    extra_env: dict[str, str],
+    timeout: float,
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # else it asks for most of the node's memory
     env.update(extra_env)
     out, logfile = workdir / f"vllm-{mode}.json", workdir / f"vllm-{mode}.log"
-    cmd = [str(venv / "bin" / "python"), str(Path(__file__).resolve()), "--worker",
-           str(workload), str(model), dtype, str(out)]
+    cmd = [
+        str(venv / "bin" / "python"),
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(workload),
+        str(model),
+        dtype,
+        str(out),
+    ]
     with open(logfile, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                            cwd=workdir).returncode
+        rc = subprocess.run(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=workdir
+        ).returncode
     if rc != 0 or not out.exists():
         tail = logfile.read_text()[-3000:]
         raise RuntimeError(f"vLLM ({mode}) exited with {rc}; log tail:\n{tail}")
@@ -130,11 +173,17 @@ def run_ours(model: Path, dtype: str, requests, threads: int) -> dict:
     torch.set_num_threads(threads)
     engine = build_engine(model, dtype, kv_gib=2.0)
     run_offline(engine, make_workload(WorkloadSpec(4, (16, 32), (4, 8)), seed=99), "warm")
-    first = engine.generate([r.prompt_token_ids for r in requests[:2]],
-                            [_our_params(r.max_tokens) for r in requests[:2]])
+    first = engine.generate(
+        [r.prompt_token_ids for r in requests[:2]],
+        [_our_params(r.max_tokens) for r in requests[:2]],
+    )
     res = run_offline(engine, requests, "r")
-    return {"tokens_per_s": res["tokens_per_s"], "elapsed_s": res["elapsed_s"],
-            "num_preemptions": res["num_preemptions"], "first_outputs": first}
+    return {
+        "tokens_per_s": res["tokens_per_s"],
+        "elapsed_s": res["elapsed_s"],
+        "num_preemptions": res["num_preemptions"],
+        "first_outputs": first,
+    }
 
 
 def _our_params(n: int):
@@ -149,8 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM venv (outside the repo)")
-    p.add_argument("--no-install", action="store_true",
-                   help="print the install commands instead of creating the venv / installing tcmalloc")
+    p.add_argument(
+        "--no-install",
+        action="store_true",
+        help="print the install commands instead of creating the venv / installing tcmalloc",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of our engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per vLLM run")
@@ -170,8 +222,16 @@ def main(argv: list[str] | None = None) -> dict:
     model = model_dir("qwen3", args.dtype)
     requests = make_workload(spec, seed=args.seed)
     t0 = time.perf_counter()
-    report = {"quick": args.quick, "model": str(model), "dtype": args.dtype, "workload": spec.describe(),
-              "vllm": VLLM_PIN, "threads": args.threads, "machine_load_start": machine_load(), "runs": {}}
+    report = {
+        "quick": args.quick,
+        "model": str(model),
+        "dtype": args.dtype,
+        "workload": spec.describe(),
+        "vllm": VLLM_PIN,
+        "threads": args.threads,
+        "machine_load_start": machine_load(),
+        "runs": {},
+    }
     ours = run_ours(model, args.dtype, requests, args.threads)
     report["ours"] = ours
     log(f"ours: {ours['tokens_per_s']:.1f} tok/s")
@@ -186,7 +246,16 @@ def main(argv: list[str] | None = None) -> dict:
         save_workload(requests, workdir / "workload.json")
         for mode, env in modes.items():
             log(f"vLLM {mode} threads ...")
-            res = run_vllm(args.venv, model, args.dtype, workdir / "workload.json", workdir, mode, env, args.timeout)
+            res = run_vllm(
+                args.venv,
+                model,
+                args.dtype,
+                workdir / "workload.json",
+                workdir,
+                mode,
+                env,
+                args.timeout,
+            )
             report["runs"][mode] = res
             log(f"vLLM {mode}: {res['tokens_per_s']:.1f} tok/s (start-up {res['startup_s']:.0f} s)")
     best = max(report["runs"], key=lambda m: report["runs"][m]["tokens_per_s"])
@@ -194,27 +263,41 @@ def main(argv: list[str] | None = None) -> dict:
     report["vllm_tokens_per_s"] = report["runs"][best]["tokens_per_s"]
     report["speedup_vs_vllm_cpu"] = ours["tokens_per_s"] / report["vllm_tokens_per_s"]
     report["goal_met"] = report["speedup_vs_vllm_cpu"] >= GOAL
-    report["greedy_first_two_equal"] = ours["first_outputs"] == report["runs"][best]["first_outputs"]
-    report["notes"] = ["tokens/s over the timed generate only (vLLM start-up and warm-up excluded)",
-                       "prefix caching off on both sides; EOS ignored; same prompts and lengths",
-                       "the machine is shared: expect noise of 10% or more between runs, far more when "
-                       "another process holds a core (see bench/README.md)"]
+    report["greedy_first_two_equal"] = (
+        ours["first_outputs"] == report["runs"][best]["first_outputs"]
+    )
+    report["notes"] = [
+        "tokens/s over the timed generate only (vLLM start-up and warm-up excluded)",
+        "prefix caching off on both sides; EOS ignored; same prompts and lengths",
+        "the machine is shared: expect noise of 10% or more between runs, far more when "
+        "another process holds a core (see bench/README.md)",
+    ]
     if skipped:
         report["notes"].insert(0, skipped)
     if args.quick:
-        report["notes"].insert(0, f"--quick: workload scaled down to {spec.describe()} (full: {FULL.describe()})")
+        report["notes"].insert(
+            0, f"--quick: workload scaled down to {spec.describe()} (full: {FULL.describe()})"
+        )
     report["wall_s"] = time.perf_counter() - t0
     report["machine_load_end"] = machine_load()
     if args.json:
         print(json.dumps(report))
     else:
         print(f"{spec.describe()}; Qwen3 {args.dtype}; ours on {args.threads} torch threads")
-        print(f"machine load at start {report['machine_load_start']}, at end {report['machine_load_end']}")
+        print(
+            f"machine load at start {report['machine_load_start']}, at end {report['machine_load_end']}"
+        )
         print(f"{'ours':36}{ours['tokens_per_s']:>10.1f} tok/s")
         for mode, res in report["runs"].items():
-            print(f"{'vLLM CPU (' + mode + ')':36}{res['tokens_per_s']:>10.1f} tok/s  start-up {res['startup_s']:.0f} s")
-        print(f"{'speedup_vs_vllm_cpu (>=1.0)':36}{report['speedup_vs_vllm_cpu']:>10.2f}  (vs {best})")
-        print(f"{'greedy tokens of 2 requests equal':36}{str(report['greedy_first_two_equal']):>10}")
+            print(
+                f"{'vLLM CPU (' + mode + ')':36}{res['tokens_per_s']:>10.1f} tok/s  start-up {res['startup_s']:.0f} s"
+            )
+        print(
+            f"{'speedup_vs_vllm_cpu (>=1.0)':36}{report['speedup_vs_vllm_cpu']:>10.2f}  (vs {best})"
+        )
+        print(
+            f"{'greedy tokens of 2 requests equal':36}{str(report['greedy_first_two_equal']):>10}"
+        )
         for note in report["notes"]:
             print("note:", note)
     return report

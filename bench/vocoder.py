@@ -15,6 +15,7 @@ Repetitions alternate the variants so drifting machine load hits them alike; med
 
     python -m bench.vocoder [--quick] [--json] [--threads 2] [--seconds S]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,15 @@ from vocoder_service.jobs import vocode_jobs
 from vocoder_service.mel import MelSpectrogram
 from vocoder_service.stream import VocoderStream
 
-GOALS = {"ort_vs_torch": (">=", 1.5), "stream_overhead": ("<=", 1.3), "first_audio_ms": ("<=", 100.0)}
-TEXT = ("Streaming speech synthesis sends the first audio while the rest of the sentence is still "
-        "being written, so every millisecond counts.")
+GOALS = {
+    "ort_vs_torch": (">=", 1.5),
+    "stream_overhead": ("<=", 1.3),
+    "first_audio_ms": ("<=", 100.0),
+}
+TEXT = (
+    "Streaming speech synthesis sends the first audio while the rest of the sentence is still "
+    "being written, so every millisecond counts."
+)
 PUSH_FRAMES = 2  # one 43 Hz speech token of stacked frame pairs
 
 
@@ -54,12 +61,15 @@ def input_mel(config, seconds: float) -> tuple[np.ndarray, str]:
     if shutil.which("espeak-ng"):
         with tempfile.TemporaryDirectory() as tmp:
             wav = Path(tmp) / "s.wav"
-            subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(wav), TEXT], check=True, capture_output=True)
+            subprocess.run(
+                ["espeak-ng", "-v", "en-us", "-w", str(wav), TEXT], check=True, capture_output=True
+            )
             import soundfile as sf
+
             audio, got = sf.read(wav, dtype="float32")
             if got == sr:
                 source = "espeak-ng"
-                audio = np.tile(audio, int(np.ceil(seconds * sr / len(audio))))[:int(seconds * sr)]
+                audio = np.tile(audio, int(np.ceil(seconds * sr / len(audio))))[: int(seconds * sr)]
             else:
                 audio = None
     if audio is None:
@@ -95,15 +105,16 @@ def offline(backend: Backend, mel: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
-def streamed(backend: Backend, mel: np.ndarray, policy: ChunkPolicy,
-             stateful: bool = False) -> tuple[float, float, int]:
+def streamed(
+    backend: Backend, mel: np.ndarray, policy: ChunkPolicy, stateful: bool = False
+) -> tuple[float, float, int]:
     """(wall seconds for the whole stream, first-audio ms, mel frames vocoded incl. context)."""
     stream = VocoderStream(backend.config, policy=policy, stateful=stateful)
     backend = _Counted(backend)
     first_ms = None
     t0 = time.perf_counter()
     for lo in range(0, mel.shape[1], PUSH_FRAMES):
-        stream.push_mel(mel[:, lo:lo + PUSH_FRAMES])
+        stream.push_mel(mel[:, lo : lo + PUSH_FRAMES])
         for chunk in stream.step(backend):
             if first_ms is None:
                 first_ms = (time.perf_counter() - chunk.ready_at) * 1e3
@@ -112,8 +123,9 @@ def streamed(backend: Backend, mel: np.ndarray, policy: ChunkPolicy,
     return time.perf_counter() - t0, first_ms, backend.frames
 
 
-def concurrent(backend: Backend, mel: np.ndarray, policy: ChunkPolicy, n: int,
-               stateful: bool = False) -> tuple[float, int]:
+def concurrent(
+    backend: Backend, mel: np.ndarray, policy: ChunkPolicy, n: int, stateful: bool = False
+) -> tuple[float, int]:
     """(wall seconds, forwards) for n streams of the same input arriving together: windowed
     jobs batched, stateful ones one after another."""
     streams = [VocoderStream(backend.config, policy=policy, stateful=stateful) for _ in range(n)]
@@ -122,7 +134,7 @@ def concurrent(backend: Backend, mel: np.ndarray, policy: ChunkPolicy, n: int,
     for lo in range(0, mel.shape[1] + PUSH_FRAMES, PUSH_FRAMES):
         for s in streams:
             if lo < mel.shape[1]:
-                s.push_mel(mel[:, lo:lo + PUSH_FRAMES])
+                s.push_mel(mel[:, lo : lo + PUSH_FRAMES])
             else:
                 s.flush()
         jobs = [j for s in streams for j in s.ready()]
@@ -136,13 +148,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 min)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads and ORT intra-op threads")
-    parser.add_argument("--seconds", type=float, default=None, help="input length in seconds (default 5)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads and ORT intra-op threads"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="input length in seconds (default 5)"
+    )
     parser.add_argument("--first-chunk", type=int, default=ChunkPolicy.first_chunk_frames)
     parser.add_argument("--growth", type=float, default=ChunkPolicy.growth)
     parser.add_argument("--cap", type=int, default=ChunkPolicy.max_chunk_frames)
-    parser.add_argument("--no-spin", action="store_true", help="ORT workers sleep instead of spinning")
-    parser.add_argument("--cache-dir", default=None, help="ONNX cache (default $SPLITTTS_CACHE/onnx)")
+    parser.add_argument(
+        "--no-spin", action="store_true", help="ORT workers sleep instead of spinning"
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="ONNX cache (default $SPLITTTS_CACHE/onnx)"
+    )
     args = parser.parse_args(argv)
     seconds = args.seconds or 5.0
     reps = 3 if args.quick else 5
@@ -152,9 +172,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     ckpt = resolve_checkpoint()
     t = time.perf_counter()
-    backends = {"torch": TorchBackend(ckpt),
-                "ort": OnnxBackend(ckpt, cache_dir=args.cache_dir, intra_op_threads=args.threads,
-                                   allow_spinning=not args.no_spin)}
+    backends = {
+        "torch": TorchBackend(ckpt),
+        "ort": OnnxBackend(
+            ckpt,
+            cache_dir=args.cache_dir,
+            intra_op_threads=args.threads,
+            allow_spinning=not args.no_spin,
+        ),
+    }
     setup_s = time.perf_counter() - t
     mel, source = input_mel(ckpt.config, seconds)
     audio_s = mel.shape[1] * ckpt.config.hop_size / ckpt.config.sampling_rate
@@ -187,8 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
         "input": {"source": source, "frames": int(mel.shape[1]), "audio_s": round(audio_s, 2)},
         "threads": args.threads,
         "ort_spinning": not args.no_spin,
-        "policy": {"first_chunk_frames": policy.first_chunk_frames, "growth": policy.growth,
-                   "max_chunk_frames": policy.max_chunk_frames},
+        "policy": {
+            "first_chunk_frames": policy.first_chunk_frames,
+            "growth": policy.growth,
+            "max_chunk_frames": policy.max_chunk_frames,
+        },
         "receptive_field_frames": list(ckpt.config.receptive_field),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "setup_s": round(setup_s, 2),
@@ -207,8 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
         "concurrent_streams_forwards": {str(n): v["forwards"] for n, v in conc.items()},
         "concurrent_streams_audio_s_per_s_stateful": {str(n): v for n, v in conc_stateful.items()},
     }
-    result["goals"] = {k: {"goal": f"{op} {v}", "met": (result[k] >= v) if op == ">=" else (result[k] <= v)}
-                       for k, (op, v) in GOALS.items()}
+    result["goals"] = {
+        k: {"goal": f"{op} {v}", "met": (result[k] >= v) if op == ">=" else (result[k] <= v)}
+        for k, (op, v) in GOALS.items()
+    }
     if args.json:
         print(json.dumps(result))
     else:

@@ -3,6 +3,7 @@
 Importable without torch (the vLLM worker reads workloads as JSON); model building imports
 torch and transformers lazily.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,9 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-MODEL_CACHE = Path(os.environ.get("SPLIT_TTS_BENCH_MODELS", "~/.cache/split-tts/bench-models")).expanduser()
+MODEL_CACHE = Path(
+    os.environ.get("SPLIT_TTS_BENCH_MODELS", "~/.cache/split-tts/bench-models")
+).expanduser()
 VOCAB_SIZE = 32000
 EOS_TOKEN_ID = 2  # present in the config so that ignore_eos means something
 
@@ -67,8 +70,10 @@ class WorkloadSpec:
     output_len: tuple[int, int] = (128, 256)
 
     def describe(self) -> str:
-        return (f"{self.num_requests} requests, prompts {self.prompt_len[0]}-{self.prompt_len[1]} tokens, "
-                f"{self.output_len[0]}-{self.output_len[1]} output tokens, EOS ignored")
+        return (
+            f"{self.num_requests} requests, prompts {self.prompt_len[0]}-{self.prompt_len[1]} tokens, "
+            f"{self.output_len[0]}-{self.output_len[1]} output tokens, EOS ignored"
+        )
 
 
 FULL = WorkloadSpec()
@@ -149,9 +154,13 @@ def model_dir(kind: str, dtype: str = "float32") -> Path:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-    config_cls, model_cls = {"qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
-                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
-    config = config_cls(**MODEL_KINDS[kind], eos_token_id=EOS_TOKEN_ID, bos_token_id=1, pad_token_id=0)
+    config_cls, model_cls = {
+        "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[kind]
+    config = config_cls(
+        **MODEL_KINDS[kind], eos_token_id=EOS_TOKEN_ID, bos_token_id=1, pad_token_id=0
+    )
     torch.manual_seed(0)
     model = model_cls(config).to(getattr(torch, dtype)).eval()
     tmp = out.with_name(out.name + ".tmp")
@@ -165,8 +174,10 @@ def count_parameters(kind: str) -> int:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-    config_cls, model_cls = {"qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
-                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+    config_cls, model_cls = {
+        "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[kind]
     with torch.device("meta"):
         model = model_cls(config_cls(**MODEL_KINDS[kind]))
     return sum(p.numel() for p in model.parameters())

@@ -125,7 +125,12 @@ def paged_attention_decode(
         seq_lens_list = seq_lens.tolist()
     if q.device.type != "cpu":
         return _decode_batched(
-            q, k_cache, v_cache, seq_lens.to(q.device), block_tables.to(q.device), scale,
+            q,
+            k_cache,
+            v_cache,
+            seq_lens.to(q.device),
+            block_tables.to(q.device),
+            scale,
             max(seq_lens_list),
         )
     # On CPU one gather + masked softmax over the whole batch is memory-bound and measured

@@ -21,8 +21,15 @@ from kernels import activation, attention, conv, delta_rule, norm, rotary as rop
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "elementwise_cpu.cpp",
-                                       "gated_delta_rule_cpu.cpp", "causal_conv1d_cpu.cpp")]
+_SOURCES = [
+    _CSRC / name
+    for name in (
+        "paged_attention_cpu.cpp",
+        "elementwise_cpu.cpp",
+        "gated_delta_rule_cpu.cpp",
+        "causal_conv1d_cpu.cpp",
+    )
+]
 _HEADERS = [_CSRC / "cpu_math.h"]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -105,15 +112,28 @@ def paged_attention_decode(
 
     Other dtypes, mixed dtypes and non-CPU tensors go to the reference.
     """
-    if (q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
-            or q.device.type != "cpu"):
+    if (
+        q.dtype not in _DTYPES
+        or k_cache.dtype != q.dtype
+        or v_cache.dtype != q.dtype
+        or q.device.type != "cpu"
+    ):
         return attention.paged_attention_decode(
-            q, k_cache, v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
+            q,
+            k_cache,
+            v_cache,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            scale=scale,
             seq_lens_list=seq_lens_list,
         )
     return torch.ops.splittts_kernels.paged_attention_decode(
-        q.contiguous(), k_cache, v_cache, seq_lens.to(torch.int32).contiguous(),
-        block_tables.to(torch.int32), scale,
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        seq_lens.to(torch.int32).contiguous(),
+        block_tables.to(torch.int32),
+        scale,
     )
 
 
@@ -131,9 +151,16 @@ def paged_attention(
 ) -> Tensor:
     """`attention.paged_attention` with its single-token sequences on the compiled decode."""
     return attention.paged_attention(
-        q, k_cache, v_cache, query_start_loc=query_start_loc, seq_lens=seq_lens,
-        block_tables=block_tables, scale=scale, decode=paged_attention_decode,
-        query_start_loc_list=query_start_loc_list, seq_lens_list=seq_lens_list,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        scale=scale,
+        decode=paged_attention_decode,
+        query_start_loc_list=query_start_loc_list,
+        seq_lens_list=seq_lens_list,
     )
 
 
@@ -198,15 +225,27 @@ def causal_conv1d(
 ) -> Tensor:
     """`conv.causal_conv1d` in one pass over the tokens, the state slots updated in place."""
     if not _compiled(x, conv_state) or x.dim() != 2 or not conv_state.is_contiguous():
-        return conv.causal_conv1d(x, weight, conv_state, query_start_loc=query_start_loc,
-                                  state_indices=state_indices, has_initial_state=has_initial_state)
+        return conv.causal_conv1d(
+            x,
+            weight,
+            conv_state,
+            query_start_loc=query_start_loc,
+            state_indices=state_indices,
+            has_initial_state=has_initial_state,
+        )
     return torch.ops.splittts_kernels.causal_conv1d(
-        _last_dim_contiguous(x), weight, conv_state, query_start_loc.long().contiguous(),
-        state_indices.long().contiguous(), has_initial_state.bool().contiguous(),
+        _last_dim_contiguous(x),
+        weight,
+        conv_state,
+        query_start_loc.long().contiguous(),
+        state_indices.long().contiguous(),
+        has_initial_state.bool().contiguous(),
     )
 
 
-def causal_conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor) -> Tensor:
+def causal_conv1d_update(
+    x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor
+) -> Tensor:
     """`conv.causal_conv1d_update` reading and writing the state slots in place."""
     if not _compiled(x, conv_state) or x.dim() != 2 or not conv_state.is_contiguous():
         return conv.causal_conv1d_update(x, weight, conv_state, state_indices)
@@ -216,8 +255,13 @@ def causal_conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, state_in
 
 
 def _delta_rule_compiled(q: Tensor, k: Tensor, v: Tensor, ssm_state: Tensor) -> bool:
-    return (_compiled(q, k, v) and q.dim() == 3 and ssm_state.dtype == torch.float32
-            and ssm_state.device.type == "cpu" and ssm_state.is_contiguous())
+    return (
+        _compiled(q, k, v)
+        and q.dim() == 3
+        and ssm_state.dtype == torch.float32
+        and ssm_state.device.type == "cpu"
+        and ssm_state.is_contiguous()
+    )
 
 
 def chunk_gated_delta_rule(
@@ -237,13 +281,28 @@ def chunk_gated_delta_rule(
     state held in cache, read and written in its slot in place."""
     if not _delta_rule_compiled(q, k, v, ssm_state):
         return delta_rule.chunk_gated_delta_rule(
-            q, k, v, g, beta, ssm_state=ssm_state, query_start_loc=query_start_loc,
-            state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            ssm_state=ssm_state,
+            query_start_loc=query_start_loc,
+            state_indices=state_indices,
+            has_initial_state=has_initial_state,
+            scale=scale,
         )
     return torch.ops.splittts_kernels.gated_delta_rule(
-        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), g.float(),
-        beta.float(), ssm_state, query_start_loc.long().contiguous(), state_indices.long().contiguous(),
-        has_initial_state.bool().contiguous(), scale,
+        _last_dim_contiguous(q),
+        _last_dim_contiguous(k),
+        _last_dim_contiguous(v),
+        g.float(),
+        beta.float(),
+        ssm_state,
+        query_start_loc.long().contiguous(),
+        state_indices.long().contiguous(),
+        has_initial_state.bool().contiguous(),
+        scale,
     )
 
 
@@ -264,6 +323,14 @@ def recurrent_gated_delta_rule(
             q, k, v, g, beta, ssm_state=ssm_state, state_indices=state_indices, scale=scale
         )
     return torch.ops.splittts_kernels.gated_delta_rule(
-        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), g.float(),
-        beta.float(), ssm_state, None, state_indices.long().contiguous(), None, scale,
+        _last_dim_contiguous(q),
+        _last_dim_contiguous(k),
+        _last_dim_contiguous(v),
+        g.float(),
+        beta.float(),
+        ssm_state,
+        None,
+        state_indices.long().contiguous(),
+        None,
+        scale,
     )

@@ -55,9 +55,7 @@ def chunk_gated_delta_rule(
         chunk = torch.tensor(chunk_base, device=device, dtype=torch.long)[seq_of_token]
         chunk = chunk + local // CHUNK_SIZE
         pos = local % CHUNK_SIZE
-        qc, kc, vc, gc, bc = (
-            _to_chunks(t, chunk, pos, total_chunks) for t in (q, k, v, g, beta)
-        )
+        qc, kc, vc, gc, bc = (_to_chunks(t, chunk, pos, total_chunks) for t in (q, k, v, g, beta))
 
         # Within a chunk, with G the cumulative log decay and S0 the incoming state:
         #   u = (I + A)^-1 (beta*v - beta*exp(G)*k S0),  A_ij = beta_i exp(G_i-G_j) k_i.k_j, j < i

@@ -36,8 +36,12 @@ def pack_weight(weight: Tensor) -> Tensor:
     as much as 15-30% of the call (measured on the project's CPU). Weights too small for oneDNN
     (see ONEDNN_MIN_MACS) and other dtypes stay as they are, for F.linear.
     """
-    if (not onednn_available() or weight.device.type != "cpu"
-            or weight.dtype not in (torch.float32, torch.bfloat16) or weight.numel() < ONEDNN_MIN_MACS):
+    if (
+        not onednn_available()
+        or weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or weight.numel() < ONEDNN_MIN_MACS
+    ):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
@@ -52,8 +56,11 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     the output of `pack_weight`.
     """
     packed = weight.is_mkldnn  # from pack_weight: big enough and of a oneDNN dtype
-    if not packed and (x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype
-                       or x.numel() * weight.shape[0] < ONEDNN_MIN_MACS):
+    if not packed and (
+        x.dtype not in (torch.float32, torch.bfloat16)
+        or weight.dtype != x.dtype
+        or x.numel() * weight.shape[0] < ONEDNN_MIN_MACS
+    ):
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

@@ -171,7 +171,12 @@ class NpuKernels:
         if q.dtype not in _HALF_DTYPES:
             self._fallback("paged_attention_decode", f"dtype {q.dtype}")
             return attention.paged_attention_decode(
-                q, k_cache, v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
+                q,
+                k_cache,
+                v_cache,
+                seq_lens=seq_lens,
+                block_tables=block_tables,
+                scale=scale,
                 seq_lens_list=seq_lens_list,
             )
         if seq_lens_list is None:  # without the host's copy, a device read-back

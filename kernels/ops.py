@@ -56,14 +56,19 @@ def cpu_ops() -> Ops:
     if linear.onednn_available():
         ops = replace(ops, linear=linear.onednn_linear, pack_linear_weight=linear.pack_weight)
     if cpu_ext.build() is None:
-        ops = replace(ops, paged_attention=cpu_ext.paged_attention,
-                      paged_attention_decode=cpu_ext.paged_attention_decode,
-                      rms_norm=cpu_ext.rms_norm, add_rms_norm=cpu_ext.add_rms_norm,
-                      silu_and_mul=cpu_ext.silu_and_mul, rotary=cpu_ext.rotary,
-                      causal_conv1d=cpu_ext.causal_conv1d,
-                      causal_conv1d_update=cpu_ext.causal_conv1d_update,
-                      chunk_gated_delta_rule=cpu_ext.chunk_gated_delta_rule,
-                      recurrent_gated_delta_rule=cpu_ext.recurrent_gated_delta_rule)
+        ops = replace(
+            ops,
+            paged_attention=cpu_ext.paged_attention,
+            paged_attention_decode=cpu_ext.paged_attention_decode,
+            rms_norm=cpu_ext.rms_norm,
+            add_rms_norm=cpu_ext.add_rms_norm,
+            silu_and_mul=cpu_ext.silu_and_mul,
+            rotary=cpu_ext.rotary,
+            causal_conv1d=cpu_ext.causal_conv1d,
+            causal_conv1d_update=cpu_ext.causal_conv1d_update,
+            chunk_gated_delta_rule=cpu_ext.chunk_gated_delta_rule,
+            recurrent_gated_delta_rule=cpu_ext.recurrent_gated_delta_rule,
+        )
     return ops
 
 

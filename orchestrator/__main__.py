@@ -22,21 +22,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orchestrator", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50050, help="gRPC port (0 picks a free one)")
-    p.add_argument("--metrics-port", type=int, default=9090,
-                   help="Prometheus /metrics port (0 picks a free one, -1 disables)")
-    p.add_argument("--http-port", type=int, default=8080,
-                   help="web demo page and its WebSocket relay (0 picks a free one, -1 disables)")
-    p.add_argument("--text-service", action="append", default=[], metavar="ADDR",
-                   help="text-service replica host:port (repeatable)")
-    p.add_argument("--vocoder-service", action="append", default=[], metavar="ADDR",
-                   help="vocoder-service replica host:port (repeatable)")
-    p.add_argument("--voice", action="append", default=[], metavar="DIR",
-                   help="voice directory (repeatable; default: every voice under voices/)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9090,
+        help="Prometheus /metrics port (0 picks a free one, -1 disables)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8080,
+        help="web demo page and its WebSocket relay (0 picks a free one, -1 disables)",
+    )
+    p.add_argument(
+        "--text-service",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="text-service replica host:port (repeatable)",
+    )
+    p.add_argument(
+        "--vocoder-service",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="vocoder-service replica host:port (repeatable)",
+    )
+    p.add_argument(
+        "--voice",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="voice directory (repeatable; default: every voice under voices/)",
+    )
     p.add_argument("--max-in-flight", type=int, default=64)
-    p.add_argument("--max-audio-ahead", type=float, default=4.0,
-                   help="seconds of audio a call may have made ahead of what its caller has read")
-    p.add_argument("--health-interval", type=float, default=1.0,
-                   help="seconds between replica health checks")
+    p.add_argument(
+        "--max-audio-ahead",
+        type=float,
+        default=4.0,
+        help="seconds of audio a call may have made ahead of what its caller has read",
+    )
+    p.add_argument(
+        "--health-interval", type=float, default=1.0, help="seconds between replica health checks"
+    )
     p.add_argument("--grace", type=float, default=10.0)
     p.add_argument("--log-level", default="warning")
     add_server_flags(p)
@@ -63,12 +91,16 @@ async def run(args: argparse.Namespace) -> None:
     backend_creds = backend_tls.credentials() if backend_tls is not None else None
     # Token messages are tiny: the default 64 KiB stream window (grown by BDP probing) would let
     # the text service run thousands of tokens ahead of a paused call, out of its backlog bound.
-    text_pool = ReplicaPool(args.text_service, "splittts.text.v1.TextGeneration",
-                            args.health_interval, backend_creds,
-                            channel_options=(("grpc.http2.lookahead_bytes", 256),
-                                             ("grpc.http2.bdp_probe", 0)))
-    vocoder_pool = ReplicaPool(args.vocoder_service, "splittts.vocoder.v1.Vocoder",
-                               args.health_interval, backend_creds)
+    text_pool = ReplicaPool(
+        args.text_service,
+        "splittts.text.v1.TextGeneration",
+        args.health_interval,
+        backend_creds,
+        channel_options=(("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)),
+    )
+    vocoder_pool = ReplicaPool(
+        args.vocoder_service, "splittts.vocoder.v1.Vocoder", args.health_interval, backend_creds
+    )
     frontends = {v.name: FrontEnd(v.text_frontend) for v in voices}
     pipeline = Pipeline(text_pool, vocoder_pool, frontends, max_audio_ahead_s=args.max_audio_ahead)
     servicer = TextToSpeechServicer(pipeline, voices, max_in_flight=args.max_in_flight)
@@ -86,8 +118,13 @@ async def run(args: argparse.Namespace) -> None:
             return {}
         from orchestrator.web import WebDemo, loopback_target, relay_tls
 
-        web = WebDemo(loopback_target(args.host, grpc_port), token=token, web_auth=args.web_auth,
-                      allow_origins=args.allow_origin, tls=relay_tls(tls, backend_tls))
+        web = WebDemo(
+            loopback_target(args.host, grpc_port),
+            token=token,
+            web_auth=args.web_auth,
+            allow_origins=args.allow_origin,
+            tls=relay_tls(tls, backend_tls),
+        )
         try:
             port = await web.start(args.host, args.http_port, https=tls)
         except OSError as exc:
@@ -102,14 +139,21 @@ async def run(args: argparse.Namespace) -> None:
         await vocoder_pool.close()
 
     name = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"].full_name
-    await serve([Service(name, tts_pb2_grpc.add_TextToSpeechServicer_to_server, servicer)],
-                host=args.host, port=args.port,
-                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                tls=tls, reflection_on=args.reflection,
-                health_port=args.health_port,
-                interceptors=[BearerTokenInterceptor(token)] if token else None,
-                warmup=warmup, grace_s=args.grace, on_stop=stop, serving_info=start_web,
-                device="cpu")
+    await serve(
+        [Service(name, tts_pb2_grpc.add_TextToSpeechServicer_to_server, servicer)],
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        tls=tls,
+        reflection_on=args.reflection,
+        health_port=args.health_port,
+        interceptors=[BearerTokenInterceptor(token)] if token else None,
+        warmup=warmup,
+        grace_s=args.grace,
+        on_stop=stop,
+        serving_info=start_web,
+        device="cpu",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

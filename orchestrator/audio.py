@@ -27,8 +27,11 @@ MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
 MIN_SPEAKING_RATE, MAX_SPEAKING_RATE = 0.5, 2.0
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
 MPEG_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
-CODEC_SAMPLE_RATES = {"OGG_OPUS": OPUS_SAMPLE_RATES, "MP3": MPEG_SAMPLE_RATES,
-                      "AAC": MPEG_SAMPLE_RATES}
+CODEC_SAMPLE_RATES = {
+    "OGG_OPUS": OPUS_SAMPLE_RATES,
+    "MP3": MPEG_SAMPLE_RATES,
+    "AAC": MPEG_SAMPLE_RATES,
+}
 G711_DEFAULT_RATE = 8000
 MEDIA_TYPES = {
     "LINEAR16": "audio/L16",
@@ -67,27 +70,35 @@ class AudioPiece:
         return self.num_samples / self.sample_rate_hz
 
 
-def resolve_audio_format(input_rate: int, encoding: str = "LINEAR16", sample_rate_hz: int = 0,
-                         speaking_rate: float = 1.0) -> AudioFormat:
+def resolve_audio_format(
+    input_rate: int, encoding: str = "LINEAR16", sample_rate_hz: int = 0, speaking_rate: float = 1.0
+) -> AudioFormat:
     """Checks an audio_config against the rules; ValueError names the field and the rule."""
     if isinstance(input_rate, bool) or not isinstance(input_rate, int) or input_rate <= 0:
         raise ValueError(f"input_rate must be a positive integer (got {input_rate!r})")
     if encoding in ("", "AUDIO_ENCODING_UNSPECIFIED"):
         encoding = "LINEAR16"
     if encoding not in ENCODINGS:
-        raise ValueError(f"audio_config.encoding must be one of {', '.join(ENCODINGS)} "
-                         f"(got {encoding!r})")
+        raise ValueError(
+            f"audio_config.encoding must be one of {', '.join(ENCODINGS)} (got {encoding!r})"
+        )
     if sample_rate_hz != 0 and not MIN_SAMPLE_RATE <= sample_rate_hz <= MAX_SAMPLE_RATE:
-        raise ValueError(f"audio_config.sample_rate_hz must be 0 or between {MIN_SAMPLE_RATE} "
-                         f"and {MAX_SAMPLE_RATE} (got {sample_rate_hz})")
+        raise ValueError(
+            f"audio_config.sample_rate_hz must be 0 or between {MIN_SAMPLE_RATE} "
+            f"and {MAX_SAMPLE_RATE} (got {sample_rate_hz})"
+        )
     if speaking_rate == 0:
         speaking_rate = 1.0  # proto3 default: unset
     if not math.isfinite(speaking_rate) or not (
-            MIN_SPEAKING_RATE <= speaking_rate <= MAX_SPEAKING_RATE):
-        raise ValueError(f"audio_config.speaking_rate must be 0 (unset) or between "
-                         f"{MIN_SPEAKING_RATE} and {MAX_SPEAKING_RATE} (got {speaking_rate})")
+        MIN_SPEAKING_RATE <= speaking_rate <= MAX_SPEAKING_RATE
+    ):
+        raise ValueError(
+            f"audio_config.speaking_rate must be 0 (unset) or between "
+            f"{MIN_SPEAKING_RATE} and {MAX_SPEAKING_RATE} (got {speaking_rate})"
+        )
     output_rate = int(sample_rate_hz) or (
-        G711_DEFAULT_RATE if encoding in ("MULAW", "ALAW") else input_rate)
+        G711_DEFAULT_RATE if encoding in ("MULAW", "ALAW") else input_rate
+    )
     if encoding in CODEC_SAMPLE_RATES:
         rates = CODEC_SAMPLE_RATES[encoding]
         output_rate = min((r for r in rates if r >= output_rate), default=rates[-1])
@@ -106,14 +117,20 @@ def warm_encoders(input_rate: int, output_rate: int = 24000) -> None:
 class AudioOutput:
     """Turns the vocoder's float32 stream into encoded pieces for one request."""
 
-    def __init__(self, input_rate: int, encoding: str = "LINEAR16", sample_rate_hz: int = 0,
-                 speaking_rate: float = 1.0) -> None:
+    def __init__(
+        self,
+        input_rate: int,
+        encoding: str = "LINEAR16",
+        sample_rate_hz: int = 0,
+        speaking_rate: float = 1.0,
+    ) -> None:
         self.format = resolve_audio_format(input_rate, encoding, sample_rate_hz, speaking_rate)
         self._stretch = TimeStretch(input_rate, self.format.speaking_rate)
         self._resampler = None
         if self.output_rate != input_rate:
-            self._resampler = soxr.ResampleStream(input_rate, self.output_rate, 1,
-                                                  dtype="float32", quality="HQ")
+            self._resampler = soxr.ResampleStream(
+                input_rate, self.output_rate, 1, dtype="float32", quality="HQ"
+            )
         self._encoder = make_encoder(self.encoding, self.output_rate)
         self._num_out = 0
         self._unsent = 0  # samples fed to the encoder whose bytes have not gone out yet

@@ -21,18 +21,32 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """--api-token / --api-token-file, --web-auth, --allow-origin."""
     g = parser.add_argument_group("authentication")
     tokens = g.add_mutually_exclusive_group()
-    tokens.add_argument("--api-token-file", metavar="FILE",
-                        help="require 'authorization: Bearer <token>' on the public API, the token "
-                             "being this file's content (whitespace stripped)")
-    tokens.add_argument("--api-token", metavar="TOKEN",
-                        help="as --api-token-file with the token inline (visible in the process "
-                             "list: prefer the file)")
-    g.add_argument("--web-auth", action="store_true",
-                   help="the web demo and /metrics on the HTTP port need the token too "
-                        "(open the page once as /?token=TOKEN)")
-    g.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
-                   help="a page origin besides the demo's own allowed to open /ws, e.g. "
-                        "https://app.example (repeatable; * allows any)")
+    tokens.add_argument(
+        "--api-token-file",
+        metavar="FILE",
+        help="require 'authorization: Bearer <token>' on the public API, the token "
+        "being this file's content (whitespace stripped)",
+    )
+    tokens.add_argument(
+        "--api-token",
+        metavar="TOKEN",
+        help="as --api-token-file with the token inline (visible in the process "
+        "list: prefer the file)",
+    )
+    g.add_argument(
+        "--web-auth",
+        action="store_true",
+        help="the web demo and /metrics on the HTTP port need the token too "
+        "(open the page once as /?token=TOKEN)",
+    )
+    g.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a page origin besides the demo's own allowed to open /ws, e.g. "
+        "https://app.example (repeatable; * allows any)",
+    )
 
 
 def load_token(args: argparse.Namespace) -> str | None:
@@ -41,8 +55,9 @@ def load_token(args: argparse.Namespace) -> str | None:
         try:
             token = Path(args.api_token_file).read_text().strip()
         except OSError as exc:
-            raise FileNotFoundError(f"--api-token-file {args.api_token_file}: cannot read it "
-                                    f"({exc.strerror or exc})") from None
+            raise FileNotFoundError(
+                f"--api-token-file {args.api_token_file}: cannot read it ({exc.strerror or exc})"
+            ) from None
         flag = "--api-token-file"
     elif args.api_token is not None:
         token, flag = args.api_token.strip(), "--api-token"
@@ -88,19 +103,25 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
             return handler
-        header = next((v for k, v in handler_call_details.invocation_metadata or ()
-                       if k == "authorization"), None)
+        header = next(
+            (v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"),
+            None,
+        )
         problem = check_bearer(header if isinstance(header, str) else None, self.token)
         if problem is None:
             return handler
-        for kind, factory in (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                              ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                              ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                              ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+        for kind, factory in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        ):
             if getattr(handler, kind) is not None:
-                return factory(_deny(kind, problem),
-                               request_deserializer=handler.request_deserializer,
-                               response_serializer=handler.response_serializer)
+                return factory(
+                    _deny(kind, problem),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
         return handler
 
 
@@ -112,8 +133,9 @@ class _AddToken:
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self.pair)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
-                                          details.credentials, details.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 # grpc.aio files a channel's interceptor under the first kind it is, so one class per kind

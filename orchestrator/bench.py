@@ -43,8 +43,13 @@ def one_request(stub, text: str, voice: str, seed: int) -> pb.LatencyReport:
     return report
 
 
-def run_level(address: str, concurrency: int, requests: int, voice: str = "",
-              sentences: list[str] | None = None) -> dict:
+def run_level(
+    address: str,
+    concurrency: int,
+    requests: int,
+    voice: str = "",
+    sentences: list[str] | None = None,
+) -> dict:
     """`requests` syntheses, `concurrency` at a time; figures from the LatencyReports."""
     sentences = sentences or SENTENCES
     reports: list[pb.LatencyReport] = []
@@ -82,8 +87,11 @@ def run_level(address: str, concurrency: int, requests: int, voice: str = "",
         for h in r.hops:
             hops[h.service].append(h.mean_overhead_ms)
     return {
-        "concurrency": concurrency, "requests": len(reports), "errors": errors,
-        "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p95_ms": percentile(ttfa, 95),
+        "concurrency": concurrency,
+        "requests": len(reports),
+        "errors": errors,
+        "ttfa_p50_ms": percentile(ttfa, 50),
+        "ttfa_p95_ms": percentile(ttfa, 95),
         "ttfa_p99_ms": percentile(ttfa, 99),
         "ttft_p50_ms": percentile([r.ttft_ms for r in reports], 50),
         "rtf_mean": statistics.fmean([r.rtf for r in reports]) if reports else 0.0,
@@ -94,7 +102,9 @@ def run_level(address: str, concurrency: int, requests: int, voice: str = "",
     }
 
 
-def run_sweep(address: str, levels: list[int], requests_per_level: int = 8, voice: str = "") -> dict:
+def run_sweep(
+    address: str, levels: list[int], requests_per_level: int = 8, voice: str = ""
+) -> dict:
     """One warm-up request, then each concurrency level."""
     with grpc.insecure_channel(address) as channel:
         one_request(tts_pb2_grpc.TextToSpeechStub(channel), SENTENCES[0], voice, 0)
@@ -102,11 +112,15 @@ def run_sweep(address: str, levels: list[int], requests_per_level: int = 8, voic
 
 
 def sweep_table(result: dict) -> str:
-    head = (f"{'conc':>4} {'reqs':>4} {'TTFA p50':>9} {'p95':>8} {'p99':>8} {'RTF':>6} "
-            f"{'underruns':>9} {'audio s/s':>9} {'errors':>6}")
+    head = (
+        f"{'conc':>4} {'reqs':>4} {'TTFA p50':>9} {'p95':>8} {'p99':>8} {'RTF':>6} "
+        f"{'underruns':>9} {'audio s/s':>9} {'errors':>6}"
+    )
     lines = [head, "-" * len(head)]
     for lv in result["levels"]:
-        lines.append(f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['ttfa_p50_ms']:>7.0f}ms "
-                     f"{lv['ttfa_p95_ms']:>6.0f}ms {lv['ttfa_p99_ms']:>6.0f}ms {lv['rtf_mean']:>6.3f} "
-                     f"{lv['underruns']:>9} {lv['audio_s_per_wall_s']:>9.2f} {len(lv['errors']):>6}")
+        lines.append(
+            f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['ttfa_p50_ms']:>7.0f}ms "
+            f"{lv['ttfa_p95_ms']:>6.0f}ms {lv['ttfa_p99_ms']:>6.0f}ms {lv['rtf_mean']:>6.3f} "
+            f"{lv['underruns']:>9} {lv['audio_s_per_wall_s']:>9.2f} {len(lv['errors']):>6}"
+        )
     return "\n".join(lines)

@@ -22,10 +22,23 @@ import servicekit  # noqa: F401
 from orchestrator.voices import VOICES_DIR
 
 # --format names and file extensions (raw G.711 takes sox's .ul / .al as well)
-ENCODINGS = {"pcm": "LINEAR16", "linear16": "LINEAR16", "raw": "LINEAR16", "wav": "WAV",
-             "flac": "FLAC", "ogg": "OGG_OPUS", "opus": "OGG_OPUS", "ogg_opus": "OGG_OPUS",
-             "mp3": "MP3", "mulaw": "MULAW", "ulaw": "MULAW", "ul": "MULAW", "alaw": "ALAW",
-             "al": "ALAW", "aac": "AAC"}
+ENCODINGS = {
+    "pcm": "LINEAR16",
+    "linear16": "LINEAR16",
+    "raw": "LINEAR16",
+    "wav": "WAV",
+    "flac": "FLAC",
+    "ogg": "OGG_OPUS",
+    "opus": "OGG_OPUS",
+    "ogg_opus": "OGG_OPUS",
+    "mp3": "MP3",
+    "mulaw": "MULAW",
+    "ulaw": "MULAW",
+    "ul": "MULAW",
+    "alaw": "ALAW",
+    "al": "ALAW",
+    "aac": "AAC",
+}
 FORMAT_CHOICES = "wav, flac, ogg (Opus), mp3, aac, mulaw, alaw or pcm"
 EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
 
@@ -67,8 +80,11 @@ def deployment(args):
 
     voice_dir = voice_dir_for(args)
     if not args.quiet:
-        print("starting the embedded pipeline (text-service, vocoder-service, orchestrator) ...",
-              file=sys.stderr, flush=True)
+        print(
+            "starting the embedded pipeline (text-service, vocoder-service, orchestrator) ...",
+            file=sys.stderr,
+            flush=True,
+        )
     with LocalDeployment(voice_dir) as local:
         yield local.address
 
@@ -96,13 +112,20 @@ def check_audio_flags(args) -> None:
 
     rate = args.sample_rate
     if rate is not None and rate != 0 and not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
-        raise BadInput(f"--sample-rate must be between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE} "
-                       f"Hz, or 0 for the voice's own (got {rate})")
+        raise BadInput(
+            f"--sample-rate must be between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE} "
+            f"Hz, or 0 for the voice's own (got {rate})"
+        )
     speed = args.speaking_rate
-    if speed is not None and speed != 0 and not (
-            math.isfinite(speed) and MIN_SPEAKING_RATE <= speed <= MAX_SPEAKING_RATE):
-        raise BadInput(f"--speaking-rate must be between {MIN_SPEAKING_RATE} and "
-                       f"{MAX_SPEAKING_RATE} (got {speed})")
+    if (
+        speed is not None
+        and speed != 0
+        and not (math.isfinite(speed) and MIN_SPEAKING_RATE <= speed <= MAX_SPEAKING_RATE)
+    ):
+        raise BadInput(
+            f"--speaking-rate must be between {MIN_SPEAKING_RATE} and "
+            f"{MAX_SPEAKING_RATE} (got {speed})"
+        )
 
 
 def build_request(args, text: str):
@@ -119,19 +142,29 @@ def build_request(args, text: str):
 
 
 def latency_table(report) -> str:
-    rows = [("TTFA (first audio)", f"{report.ttfa_ms:8.1f} ms"),
-            ("TTFT (first token)", f"{report.ttft_ms:8.1f} ms"),
-            ("front end", f"{report.frontend_ms:8.1f} ms"),
-            ("text queue", f"{report.queue_ms:8.1f} ms"),
-            ("text prefill", f"{report.prefill_ms:8.1f} ms"),
-            ("text decode", f"{report.decode_ms:8.1f} ms"),
-            ("vocoder compute", f"{report.vocoder_compute_ms:8.1f} ms")]
-    rows += [(f"hop {h.service} (transit)", f"{h.mean_overhead_ms:8.2f} ms mean, "
-              f"{h.max_overhead_ms:.2f} max") for h in report.hops]
-    rows += [("total", f"{report.total_ms:8.1f} ms"),
-             ("audio", f"{report.audio_s:8.2f} s in {report.num_chunks} chunks"),
-             ("RTF", f"{report.rtf:8.3f}"), ("underruns", f"{report.underruns:8d}"),
-             ("speech tokens", f"{report.num_speech_tokens:8d} in {report.num_segments} segments")]
+    rows = [
+        ("TTFA (first audio)", f"{report.ttfa_ms:8.1f} ms"),
+        ("TTFT (first token)", f"{report.ttft_ms:8.1f} ms"),
+        ("front end", f"{report.frontend_ms:8.1f} ms"),
+        ("text queue", f"{report.queue_ms:8.1f} ms"),
+        ("text prefill", f"{report.prefill_ms:8.1f} ms"),
+        ("text decode", f"{report.decode_ms:8.1f} ms"),
+        ("vocoder compute", f"{report.vocoder_compute_ms:8.1f} ms"),
+    ]
+    rows += [
+        (
+            f"hop {h.service} (transit)",
+            f"{h.mean_overhead_ms:8.2f} ms mean, {h.max_overhead_ms:.2f} max",
+        )
+        for h in report.hops
+    ]
+    rows += [
+        ("total", f"{report.total_ms:8.1f} ms"),
+        ("audio", f"{report.audio_s:8.2f} s in {report.num_chunks} chunks"),
+        ("RTF", f"{report.rtf:8.3f}"),
+        ("underruns", f"{report.underruns:8d}"),
+        ("speech tokens", f"{report.num_speech_tokens:8d} in {report.num_segments} segments"),
+    ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -167,7 +200,7 @@ class AudioSink:
 
     def write(self, chunk) -> None:
         if len(self.head) < 64:
-            self.head += chunk.audio[:64 - len(self.head)]
+            self.head += chunk.audio[: 64 - len(self.head)]
         self.file.write(chunk.audio)
         self.file.flush()
         self.num_samples = chunk.first_sample + round(chunk.duration_s * chunk.sample_rate_hz)
@@ -208,8 +241,9 @@ def call_metadata(args) -> tuple:
         try:
             token = Path(args.api_token_file).read_text().strip()
         except OSError as exc:
-            raise BadInput(f"--api-token-file {args.api_token_file}: cannot read it "
-                           f"({exc.strerror or exc})") from None
+            raise BadInput(
+                f"--api-token-file {args.api_token_file}: cannot read it ({exc.strerror or exc})"
+            ) from None
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
@@ -234,23 +268,35 @@ def cmd_synthesize(args) -> int:
         try:
             for resp in stub.Synthesize(request, timeout=args.timeout, metadata=metadata):
                 if resp.HasField("words"):
-                    words += [{"word": w.word, "start_ms": round(w.start_ms, 1),
-                               "end_ms": round(w.end_ms, 1), "segment": w.segment}
-                              for w in resp.words.words]
+                    words += [
+                        {
+                            "word": w.word,
+                            "start_ms": round(w.start_ms, 1),
+                            "end_ms": round(w.end_ms, 1),
+                            "segment": w.segment,
+                        }
+                        for w in resp.words.words
+                    ]
                 elif resp.HasField("audio"):
                     sink.write(resp.audio)
                     chunks += 1
                     audio_s += resp.audio.duration_s
                     if not args.quiet:
-                        print(f"\r  streaming: {chunks:4d} chunks, {audio_s:6.2f} s of audio",
-                              end="", file=sys.stderr, flush=True)
+                        print(
+                            f"\r  streaming: {chunks:4d} chunks, {audio_s:6.2f} s of audio",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 else:
                     report = resp.report
             complete = True
         finally:
             sink.close(complete)
     if args.timings:
-        Path(args.timings).write_text(json.dumps({"words": words}, indent=1, ensure_ascii=False) + "\n")
+        Path(args.timings).write_text(
+            json.dumps({"words": words}, indent=1, ensure_ascii=False) + "\n"
+        )
     if not args.quiet:
         print(file=sys.stderr)
         if sink.path is not None:
@@ -266,19 +312,37 @@ def cmd_voices(args) -> int:
 
     if not args.server:  # no need to start services to read manifests
         from orchestrator.voices import discover
-        voices = [(v.name, v.languages, v.sample_rate, v.description, i == 0)
-                  for i, v in enumerate(discover([args.voice_dir] if args.voice_dir else None))]
+
+        voices = [
+            (v.name, v.languages, v.sample_rate, v.description, i == 0)
+            for i, v in enumerate(discover([args.voice_dir] if args.voice_dir else None))
+        ]
     else:
         with open_channel(args, args.server) as channel:
             reply = tts_pb2_grpc.TextToSpeechStub(channel).ListVoices(
-                pb.ListVoicesRequest(language_code=args.language or ""), timeout=args.timeout,
-                metadata=call_metadata(args))
-        voices = [(v.name, v.language_codes, v.sample_rate_hz, v.description, v.is_default)
-                  for v in reply.voices]
+                pb.ListVoicesRequest(language_code=args.language or ""),
+                timeout=args.timeout,
+                metadata=call_metadata(args),
+            )
+        voices = [
+            (v.name, v.language_codes, v.sample_rate_hz, v.description, v.is_default)
+            for v in reply.voices
+        ]
     if args.json:
-        print(json.dumps([{"name": n, "languages": list(langs), "sample_rate_hz": r,
-                           "description": d, "default": dflt}
-                          for n, langs, r, d, dflt in voices]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": n,
+                        "languages": list(langs),
+                        "sample_rate_hz": r,
+                        "description": d,
+                        "default": dflt,
+                    }
+                    for n, langs, r, d, dflt in voices
+                ]
+            )
+        )
     else:
         for name, langs, rate, desc, dflt in voices:
             print(f"{name}{' (default)' if dflt else ''}\t{', '.join(langs)}\t{rate} Hz\t{desc}")
@@ -289,22 +353,38 @@ def cmd_serve(args) -> int:
     from orchestrator.launcher import LocalDeployment
 
     voice_dir = voice_dir_for(args)
-    local = LocalDeployment(voice_dir, ports=(args.port, args.text_port, args.vocoder_port),
-                            metrics_ports=(args.metrics_port, args.metrics_port + 1 if args.metrics_port > 0 else -1,
-                                           args.metrics_port + 2 if args.metrics_port > 0 else -1),
-                            host=args.host, quiet=False, http_port=args.http_port,
-                            tls_dir=args.tls_dir, orchestrator_args=[
-                                *(["--api-token-file", args.api_token_file]
-                                  if args.api_token_file else []),
-                                *(["--web-auth"] if args.web_auth else [])])
+    local = LocalDeployment(
+        voice_dir,
+        ports=(args.port, args.text_port, args.vocoder_port),
+        metrics_ports=(
+            args.metrics_port,
+            args.metrics_port + 1 if args.metrics_port > 0 else -1,
+            args.metrics_port + 2 if args.metrics_port > 0 else -1,
+        ),
+        host=args.host,
+        quiet=False,
+        http_port=args.http_port,
+        tls_dir=args.tls_dir,
+        orchestrator_args=[
+            *(["--api-token-file", args.api_token_file] if args.api_token_file else []),
+            *(["--web-auth"] if args.web_auth else []),
+        ],
+    )
     local.start()
     scheme = "https" if args.tls_dir else "http"
-    web = f"; web demo {scheme}://{args.host}:{local.processes[-1].http_port}/" \
-        if local.processes[-1].http_port else ""
-    print(f"serving splittts.tts.v1 on {args.host}:{local.processes[-1].port} "
-          f"(text-service :{local.processes[0].port}, vocoder-service :{local.processes[1].port})"
-          f"{web}{f'; TLS with the CA {args.tls_dir}/ca.pem' if args.tls_dir else ''}"
-          "; Ctrl-C drains and stops", file=sys.stderr, flush=True)
+    web = (
+        f"; web demo {scheme}://{args.host}:{local.processes[-1].http_port}/"
+        if local.processes[-1].http_port
+        else ""
+    )
+    print(
+        f"serving splittts.tts.v1 on {args.host}:{local.processes[-1].port} "
+        f"(text-service :{local.processes[0].port}, vocoder-service :{local.processes[1].port})"
+        f"{web}{f'; TLS with the CA {args.tls_dir}/ca.pem' if args.tls_dir else ''}"
+        "; Ctrl-C drains and stops",
+        file=sys.stderr,
+        flush=True,
+    )
     stop = []
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -324,10 +404,14 @@ def cmd_bench(args) -> int:
     if any(c < 1 for c in levels):
         raise BadInput("--concurrency: levels must be positive integers, e.g. 1,2,4,8")
     if args.tls_ca or args.api_token_file:
-        raise BadInput("bench dials plaintext without a token: bench the embedded deployment or "
-                       "a --server on 127.0.0.1 without --tls-ca and --api-token-file")
+        raise BadInput(
+            "bench dials plaintext without a token: bench the embedded deployment or "
+            "a --server on 127.0.0.1 without --tls-ca and --api-token-file"
+        )
     with deployment(args) as address:
-        result = run_sweep(address, levels, requests_per_level=args.requests, voice=args.voice or "")
+        result = run_sweep(
+            address, levels, requests_per_level=args.requests, voice=args.voice or ""
+        )
     print(json.dumps(result) if args.json else sweep_table(result))
     return 0
 
@@ -340,18 +424,24 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="tts-cli", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="tts-cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp, server=True):
         if server:
             sp.add_argument("--server", help="orchestrator address host:port (default: embedded)")
-            sp.add_argument("--tls-ca", metavar="PEM",
-                            help="reach --server over TLS, trusting this CA (e.g. a --tls-dir's "
-                                 "ca.pem)")
-            sp.add_argument("--api-token-file", metavar="FILE",
-                            help="send this file's bearer token (default: $SPLITTTS_API_TOKEN)")
+            sp.add_argument(
+                "--tls-ca",
+                metavar="PEM",
+                help="reach --server over TLS, trusting this CA (e.g. a --tls-dir's ca.pem)",
+            )
+            sp.add_argument(
+                "--api-token-file",
+                metavar="FILE",
+                help="send this file's bearer token (default: $SPLITTTS_API_TOKEN)",
+            )
         sp.add_argument("--voice-dir", help="voice directory for the embedded pipeline")
         sp.add_argument("--timeout", type=float, default=600.0, help="seconds")
         sp.add_argument("-q", "--quiet", action="store_true")
@@ -361,13 +451,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", metavar="FILE", help="output file, or - for stdout")
     s.add_argument("--voice")
     s.add_argument("--language", help="BCP-47 code, e.g. en-US or cmn-CN (default: detected)")
-    s.add_argument("--format", help="wav (default), flac, ogg (Opus), mp3, aac, mulaw, alaw "
-                   "(headerless G.711, 8 kHz) or pcm (raw LINEAR16); default: from -o's extension")
+    s.add_argument(
+        "--format",
+        help="wav (default), flac, ogg (Opus), mp3, aac, mulaw, alaw "
+        "(headerless G.711, 8 kHz) or pcm (raw LINEAR16); default: from -o's extension",
+    )
     s.add_argument("--sample-rate", type=int, help="output rate in Hz (default: the voice's)")
     s.add_argument("--speaking-rate", type=float, help="0.5 to 2.0, pitch kept")
     s.add_argument("--seed", type=int)
-    s.add_argument("--timings", metavar="FILE",
-                   help="write word timings (JSON: word, start_ms, end_ms, segment) to FILE")
+    s.add_argument(
+        "--timings",
+        metavar="FILE",
+        help="write word timings (JSON: word, start_ms, end_ms, segment) to FILE",
+    )
     common(s)
     s.set_defaults(func=cmd_synthesize)
 
@@ -382,19 +478,36 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=50050)
     sv.add_argument("--text-port", type=int, default=50051)
     sv.add_argument("--vocoder-port", type=int, default=50052)
-    sv.add_argument("--metrics-port", type=int, default=9090,
-                    help="orchestrator metrics; the text and vocoder services use the next two")
-    sv.add_argument("--http-port", type=int, default=8080,
-                    help="web demo port (0 picks a free one, -1 disables)")
+    sv.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9090,
+        help="orchestrator metrics; the text and vocoder services use the next two",
+    )
+    sv.add_argument(
+        "--http-port",
+        type=int,
+        default=8080,
+        help="web demo port (0 picks a free one, -1 disables)",
+    )
     sv.add_argument("--voice-dir")
-    sv.add_argument("--tls-dir", metavar="DIR",
-                    help="mutual TLS between the services and TLS on the public port, with a "
-                         "private CA and certificates made in DIR when missing (clients trust "
-                         "DIR/ca.pem)")
-    sv.add_argument("--api-token-file", metavar="FILE",
-                    help="require 'authorization: Bearer <the file's token>' on the public API")
-    sv.add_argument("--web-auth", action="store_true",
-                    help="the web demo needs the token too (open it once as /?token=TOKEN)")
+    sv.add_argument(
+        "--tls-dir",
+        metavar="DIR",
+        help="mutual TLS between the services and TLS on the public port, with a "
+        "private CA and certificates made in DIR when missing (clients trust "
+        "DIR/ca.pem)",
+    )
+    sv.add_argument(
+        "--api-token-file",
+        metavar="FILE",
+        help="require 'authorization: Bearer <the file's token>' on the public API",
+    )
+    sv.add_argument(
+        "--web-auth",
+        action="store_true",
+        help="the web demo needs the token too (open it once as /?token=TOKEN)",
+    )
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="concurrency sweep: TTFA percentiles, RTF, underruns")
@@ -423,16 +536,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tts-cli: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except StartupError as exc:  # the service's own reason, on one line
-        print(f"tts-cli: {exc.name} failed to start: {' '.join(exc.reason.split())}",
-              file=sys.stderr)
+        print(
+            f"tts-cli: {exc.name} failed to start: {' '.join(exc.reason.split())}", file=sys.stderr
+        )
         return EXIT_BAD_INPUT if exc.bad_config else EXIT_FAILURE
     except grpc.RpcError as exc:
         bad = exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
         print(f"tts-cli: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return EXIT_BAD_INPUT if bad else EXIT_FAILURE
     except (RuntimeError, OSError) as exc:
-        print(f"tts-cli: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-              file=sys.stderr)
+        print(
+            f"tts-cli: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130

@@ -23,8 +23,12 @@ class DurationPredictor:
         self.convs = []
         i = 0
         while f"convs.{i}.weight" in weights:
-            self.convs.append((weights[f"convs.{i}.weight"].astype(np.float32),
-                               weights[f"convs.{i}.bias"].astype(np.float32)))
+            self.convs.append(
+                (
+                    weights[f"convs.{i}.weight"].astype(np.float32),
+                    weights[f"convs.{i}.bias"].astype(np.float32),
+                )
+            )
             i += 1
         self.proj_w = weights["proj.weight"].astype(np.float32)[0]
         self.proj_b = float(weights["proj.bias"][0])
@@ -57,8 +61,9 @@ def _conv1d_same(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.tensordot(windows, w, axes=([1, 2], [1, 2]))
 
 
-def schedule(durations: np.ndarray, band: tuple[float, float], cap: int,
-             rate: float = 1.0) -> tuple[list[int], list[int]]:
+def schedule(
+    durations: np.ndarray, band: tuple[float, float], cap: int, rate: float = 1.0
+) -> tuple[list[int], list[int]]:
     """Per-phoneme [min, max] speech tokens around predicted durations, scaled by 1 / rate.
 
     band (1, 1) forces the schedule; a wider band lets the model's own vote decide inside it.

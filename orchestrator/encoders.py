@@ -49,8 +49,16 @@ def wav_stream_header(sample_rate: int, data_bytes: int = WAV_UNKNOWN_SIZE) -> b
     """A 16-bit mono PCM WAV header; without `data_bytes` its sizes say 'unknown length'."""
     fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, 2 * sample_rate, 2, 16)
     riff = WAV_UNKNOWN_SIZE if data_bytes == WAV_UNKNOWN_SIZE else data_bytes + 36
-    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt))
-            + fmt + b"data" + struct.pack("<I", data_bytes))
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", len(fmt))
+        + fmt
+        + b"data"
+        + struct.pack("<I", data_bytes)
+    )
 
 
 class PcmEncoder:
@@ -162,10 +170,10 @@ class AvEncoder:
         import av
 
         options = {"page_duration": str(OGG_PAGE_US)} if self.container_format == "ogg" else {}
-        self._container = av.open(self._sink, mode="w", format=self.container_format,
-                                  options=options)
-        self._stream = self._container.add_stream(self.codec, rate=self.sample_rate,
-                                                  layout="mono")
+        self._container = av.open(
+            self._sink, mode="w", format=self.container_format, options=options
+        )
+        self._stream = self._container.add_stream(self.codec, rate=self.sample_rate, layout="mono")
         if self.encoding in BIT_RATES:
             self._stream.codec_context.bit_rate = BIT_RATES[self.encoding]
 
@@ -173,8 +181,11 @@ class AvEncoder:
         import av
 
         fmt = self._stream.codec_context.format.name
-        data = to_int16(samples) if fmt.startswith("s16") else np.clip(
-            samples, -1.0, 1.0).astype(np.float32)
+        data = (
+            to_int16(samples)
+            if fmt.startswith("s16")
+            else np.clip(samples, -1.0, 1.0).astype(np.float32)
+        )
         frame = av.AudioFrame.from_ndarray(data[None, :], format=fmt, layout="mono")
         frame.sample_rate, frame.pts = self.sample_rate, self._pts
         self._pts += len(samples)
@@ -209,8 +220,9 @@ def make_encoder(encoding: str, sample_rate: int) -> Encoder:
     return AvEncoder(encoding, sample_rate)
 
 
-def fill_in_sizes(f: BinaryIO, start: int, encoding: str, num_samples: int,
-                  head: bytes | None = None) -> None:
+def fill_in_sizes(
+    f: BinaryIO, start: int, encoding: str, num_samples: int, head: bytes | None = None
+) -> None:
     """Writes a finished stream's real sizes into its header in the seekable file `f`.
 
     `start` is where the stream begins in `f`; `head`, its first bytes, stands in for reading
@@ -231,7 +243,7 @@ def fill_in_sizes(f: BinaryIO, start: int, encoding: str, num_samples: int,
             f.seek(at)
             field = f.read(5)
         else:
-            field = head[at - start:at - start + 5]
+            field = head[at - start : at - start + 5]
         if len(field) == 5:
             packed = (int.from_bytes(field, "big") & ~((1 << 36) - 1)) | num_samples
             f.seek(at)

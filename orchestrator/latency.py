@@ -24,9 +24,12 @@ class HopStats:
 
     def to_proto(self) -> pb.HopTiming:
         s = self.samples
-        return pb.HopTiming(service=self.service, address=self.address,
-                            mean_overhead_ms=sum(s) / len(s) if s else 0.0,
-                            max_overhead_ms=max(s) if s else 0.0)
+        return pb.HopTiming(
+            service=self.service,
+            address=self.address,
+            mean_overhead_ms=sum(s) / len(s) if s else 0.0,
+            max_overhead_ms=max(s) if s else 0.0,
+        )
 
 
 @dataclass
@@ -52,7 +55,9 @@ class LatencyTracker:
     underruns: int = 0
     max_gap_ms: float = 0.0
 
-    def on_segment_done(self, timings, client_first_ms: float | None, client_total_ms: float) -> None:
+    def on_segment_done(
+        self, timings, client_first_ms: float | None, client_total_ms: float
+    ) -> None:
         """Fold in one Generate call: the service's timings and our own round trip."""
         if self.ttft_ms is None and timings.ttft_ms > 0:
             self.ttft_ms = timings.ttft_ms
@@ -85,10 +90,21 @@ class LatencyTracker:
     def report(self) -> pb.LatencyReport:
         total_ms = 1e3 * (time.perf_counter() - self.arrival)
         return pb.LatencyReport(
-            request_id=self.request_id, ttft_ms=self.ttft_ms or 0.0, ttfa_ms=self.ttfa_ms,
-            queue_ms=self.queue_ms, prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
-            vocoder_compute_ms=self.vocoder_compute_ms, frontend_ms=self.frontend_ms,
-            hops=[self.text_hop.to_proto(), self.vocoder_hop.to_proto()], total_ms=total_ms,
-            audio_s=self.audio_s, rtf=total_ms / 1e3 / self.audio_s if self.audio_s else 0.0,
-            num_chunks=self.num_chunks, underruns=self.underruns, max_chunk_gap_ms=self.max_gap_ms,
-            num_speech_tokens=self.num_speech_tokens, num_segments=self.num_segments)
+            request_id=self.request_id,
+            ttft_ms=self.ttft_ms or 0.0,
+            ttfa_ms=self.ttfa_ms,
+            queue_ms=self.queue_ms,
+            prefill_ms=self.prefill_ms,
+            decode_ms=self.decode_ms,
+            vocoder_compute_ms=self.vocoder_compute_ms,
+            frontend_ms=self.frontend_ms,
+            hops=[self.text_hop.to_proto(), self.vocoder_hop.to_proto()],
+            total_ms=total_ms,
+            audio_s=self.audio_s,
+            rtf=total_ms / 1e3 / self.audio_s if self.audio_s else 0.0,
+            num_chunks=self.num_chunks,
+            underruns=self.underruns,
+            max_chunk_gap_ms=self.max_gap_ms,
+            num_speech_tokens=self.num_speech_tokens,
+            num_segments=self.num_segments,
+        )

@@ -62,16 +62,42 @@ class Process:
         return f"127.0.0.1:{self.port}"
 
 
-def start_service(name: str, module: str, args: list[str], *, port: int = 0, metrics_port: int = -1,
-                  host: str = "127.0.0.1", env: dict | None = None, timeout_s: float = 300.0,
-                  quiet: bool = True, cpus: set[int] | None = None) -> Process:
+def start_service(
+    name: str,
+    module: str,
+    args: list[str],
+    *,
+    port: int = 0,
+    metrics_port: int = -1,
+    host: str = "127.0.0.1",
+    env: dict | None = None,
+    timeout_s: float = 300.0,
+    quiet: bool = True,
+    cpus: set[int] | None = None,
+) -> Process:
     """Run `python -m module` and wait for its `serving` line; `cpus` pins it to those cores."""
-    cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port),
-           "--metrics-port", str(metrics_port), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})},
-                            start_new_session=True,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
     stdout, stderr = proc.stdout, proc.stderr
     assert stdout is not None and stderr is not None  # both piped
     tail: list[str] = []
@@ -94,8 +120,9 @@ def start_service(name: str, module: str, args: list[str], *, port: int = 0, met
             continue
         if event.get("event") == "serving":
             threading.Thread(target=lambda: [*stdout], daemon=True).start()
-            return Process(name, proc, event["port"], event.get("metrics_port"), tail,
-                           event.get("http_port"))
+            return Process(
+                name, proc, event["port"], event.get("metrics_port"), tail, event.get("http_port")
+            )
         if time.monotonic() > deadline:
             hung = True
             break
@@ -115,12 +142,23 @@ def start_service(name: str, module: str, args: list[str], *, port: int = 0, met
 class LocalDeployment:
     """text-service + vocoder-service + orchestrator on 127.0.0.1; `stop()` drains all three."""
 
-    def __init__(self, voice_dir: str | Path, *, threads: dict[str, int] | None = None,
-                 ports: tuple[int, int, int] = (0, 0, 0), metrics_ports: tuple[int, int, int] = (-1, -1, -1),
-                 host: str = "127.0.0.1", quiet: bool = True, text_args: list[str] | None = None,
-                 vocoder_args: list[str] | None = None, cpus: dict[str, set[int]] | None = None,
-                 http_port: int = -1, tls_dir: str | Path | None = None,
-                 orchestrator_args: list[str] | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        voice_dir: str | Path,
+        *,
+        threads: dict[str, int] | None = None,
+        ports: tuple[int, int, int] = (0, 0, 0),
+        metrics_ports: tuple[int, int, int] = (-1, -1, -1),
+        host: str = "127.0.0.1",
+        quiet: bool = True,
+        text_args: list[str] | None = None,
+        vocoder_args: list[str] | None = None,
+        cpus: dict[str, set[int]] | None = None,
+        http_port: int = -1,
+        tls_dir: str | Path | None = None,
+        orchestrator_args: list[str] | None = None,
+        env: dict | None = None,
+    ):
         self.voice_dir = Path(voice_dir)
         self.env = env  # added to every service's environment (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)
         # mutual TLS between the services and TLS on the public port, with a private CA and
@@ -148,36 +186,83 @@ class LocalDeployment:
         own = ["--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}-key.pem")]
         if name != "orchestrator":
             return [*own, "--tls-client-ca", str(d / "ca.pem")]
-        return [*own, "--tls-ca", str(d / "ca.pem"), "--tls-client-cert", str(d / f"{name}.pem"),
-                "--tls-client-key", str(d / f"{name}-key.pem")]
+        return [
+            *own,
+            "--tls-ca",
+            str(d / "ca.pem"),
+            "--tls-client-cert",
+            str(d / f"{name}.pem"),
+            "--tls-client-key",
+            str(d / f"{name}-key.pem"),
+        ]
 
     def start(self) -> LocalDeployment:
         if self.tls_dir is not None:
             from servicekit.certs import make_all
 
-            make_all(self.tls_dir, [] if self.host in ("127.0.0.1", "localhost", "0.0.0.0", "::")
-                     else [self.host])
+            make_all(
+                self.tls_dir,
+                [] if self.host in ("127.0.0.1", "localhost", "0.0.0.0", "::") else [self.host],
+            )
         try:
-            text = start_service("text-service", "text_service",
-                                 ["--model", str(self.voice_dir / "lm"), *self._threads("text"),
-                                  *self._tls("text-service"), *self.text_args], port=self.ports[1],
-                                 metrics_port=self.metrics_ports[1], host=self.host,
-                                 quiet=self.quiet, env=self.env, cpus=self.cpus.get("text"))
+            text = start_service(
+                "text-service",
+                "text_service",
+                [
+                    "--model",
+                    str(self.voice_dir / "lm"),
+                    *self._threads("text"),
+                    *self._tls("text-service"),
+                    *self.text_args,
+                ],
+                port=self.ports[1],
+                metrics_port=self.metrics_ports[1],
+                host=self.host,
+                quiet=self.quiet,
+                env=self.env,
+                cpus=self.cpus.get("text"),
+            )
             self.processes.append(text)
-            vocoder = start_service("vocoder-service", "vocoder_service",
-                                    ["--voice", str(self.voice_dir), *self._threads("vocoder"),
-                                     *self._tls("vocoder-service"), *self.vocoder_args],
-                                    port=self.ports[2],
-                                    metrics_port=self.metrics_ports[2], host=self.host,
-                                    quiet=self.quiet, env=self.env, cpus=self.cpus.get("vocoder"))
+            vocoder = start_service(
+                "vocoder-service",
+                "vocoder_service",
+                [
+                    "--voice",
+                    str(self.voice_dir),
+                    *self._threads("vocoder"),
+                    *self._tls("vocoder-service"),
+                    *self.vocoder_args,
+                ],
+                port=self.ports[2],
+                metrics_port=self.metrics_ports[2],
+                host=self.host,
+                quiet=self.quiet,
+                env=self.env,
+                cpus=self.cpus.get("vocoder"),
+            )
             self.processes.append(vocoder)
-            orch = start_service("orchestrator", "orchestrator",
-                                 ["--voice", str(self.voice_dir), "--text-service", text.address,
-                                  "--vocoder-service", vocoder.address,
-                                  "--http-port", str(self.http_port), *self._tls("orchestrator"),
-                                  *self.orchestrator_args], port=self.ports[0],
-                                 metrics_port=self.metrics_ports[0], host=self.host,
-                                 quiet=self.quiet, env=self.env, cpus=self.cpus.get("orchestrator"))
+            orch = start_service(
+                "orchestrator",
+                "orchestrator",
+                [
+                    "--voice",
+                    str(self.voice_dir),
+                    "--text-service",
+                    text.address,
+                    "--vocoder-service",
+                    vocoder.address,
+                    "--http-port",
+                    str(self.http_port),
+                    *self._tls("orchestrator"),
+                    *self.orchestrator_args,
+                ],
+                port=self.ports[0],
+                metrics_port=self.metrics_ports[0],
+                host=self.host,
+                quiet=self.quiet,
+                env=self.env,
+                cpus=self.cpus.get("orchestrator"),
+            )
             self.processes.append(orch)
         except BaseException:
             self.stop()

@@ -41,19 +41,29 @@ FORMATS = {  # response_format -> (AudioEncoding, Content-Type)
 }
 FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format"}
 # the public API's field names in its messages -> this API's
-GRPC_PARAMS = {"text": "input", "voice": "voice", "audio_config.speaking_rate": "speed",
-               "audio_config.encoding": "response_format"}
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-               grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
-               grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAUTHENTICATED: 401,
-               grpc.StatusCode.PERMISSION_DENIED: 403}
+GRPC_PARAMS = {
+    "text": "input",
+    "voice": "voice",
+    "audio_config.speaking_rate": "speed",
+    "audio_config.encoding": "response_format",
+}
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+}
 
 
 class ApiError(Exception):
     """An error as OpenAI's API reports it: HTTP status and {"error": {...}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -65,9 +75,17 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         """The JSON error response."""
-        return web.json_response({"error": {"message": self.message, "type": self.type,
-                                            "param": self.param, "code": self.code}},
-                                 status=self.status)
+        return web.json_response(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            },
+            status=self.status,
+        )
 
 
 def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
@@ -76,9 +94,12 @@ def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
     field = details.split(":", 1)[0].split(" ", 1)[0]
     param = GRPC_PARAMS.get(field)
     if param and param != field:
-        details = param + details[len(field):]
-    code = {"voice": "voice_not_found"}.get(param or "") if exc.code() == grpc.StatusCode.NOT_FOUND \
+        details = param + details[len(field) :]
+    code = (
+        {"voice": "voice_not_found"}.get(param or "")
+        if exc.code() == grpc.StatusCode.NOT_FOUND
         else exc.code().name.lower()
+    )
     return ApiError(HTTP_STATUS.get(exc.code(), 500), details, param, code)
 
 
@@ -96,9 +117,13 @@ class SpeechRequest:
         """The public API's request for it."""
         encoding = FORMATS[self.response_format][0]
         return pb.SynthesizeRequest(
-            text=self.input, voice=self.voice, request_id=request_id,
-            audio_config=pb.AudioConfig(encoding=encoding, sample_rate_hz=SAMPLE_RATE_HZ,
-                                        speaking_rate=self.speed))
+            text=self.input,
+            voice=self.voice,
+            request_id=request_id,
+            audio_config=pb.AudioConfig(
+                encoding=encoding, sample_rate_hz=SAMPLE_RATE_HZ, speaking_rate=self.speed
+            ),
+        )
 
 
 def _string(body: dict, name: str, required: bool = True) -> str | None:
@@ -118,32 +143,57 @@ def parse_speech_request(body: object) -> SpeechRequest:
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     for name in body:
         if name not in FIELDS:
-            raise ApiError(400, f"Unrecognized request argument supplied: {name}", name,
-                           "unknown_parameter")
+            raise ApiError(
+                400, f"Unrecognized request argument supplied: {name}", name, "unknown_parameter"
+            )
     model = _string(body, "model")
     if model not in MODELS:
-        raise ApiError(404, f"model: the model {model!r} does not exist; use one of "
-                       f"{', '.join(MODELS)}", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"model: the model {model!r} does not exist; use one of {', '.join(MODELS)}",
+            "model",
+            "model_not_found",
+        )
     text = _string(body, "input")
     voice = body.get("voice")
     if isinstance(voice, dict) and set(voice) == {"id"}:  # a custom voice reference {"id": ...}
         voice = voice["id"]
     if not isinstance(voice, str) or not voice.strip():
-        raise ApiError(400, "voice: must be a voice name (GET /v1/audio/voices) or {\"id\": name}",
-                       "voice", "missing_field" if voice is None else "invalid_value")
+        raise ApiError(
+            400,
+            'voice: must be a voice name (GET /v1/audio/voices) or {"id": name}',
+            "voice",
+            "missing_field" if voice is None else "invalid_value",
+        )
     fmt = body.get("response_format", "mp3")
     if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise ApiError(400, f"response_format: must be one of {', '.join(FORMATS)} (got {fmt!r})",
-                       "response_format", "invalid_value")
+        raise ApiError(
+            400,
+            f"response_format: must be one of {', '.join(FORMATS)} (got {fmt!r})",
+            "response_format",
+            "invalid_value",
+        )
     speed = body.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (
-            math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
-        raise ApiError(400, f"speed: must be a number between {MIN_SPEED} and {MAX_SPEED} on "
-                       f"this server (got {speed!r})", "speed", "invalid_value")
+    if (
+        isinstance(speed, bool)
+        or not isinstance(speed, (int, float))
+        or not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED)
+    ):
+        raise ApiError(
+            400,
+            f"speed: must be a number between {MIN_SPEED} and {MAX_SPEED} on "
+            f"this server (got {speed!r})",
+            "speed",
+            "invalid_value",
+        )
     _string(body, "instructions", required=False)
     if body.get("stream_format", "audio") != "audio":
-        raise ApiError(400, f"stream_format: only 'audio' is supported (got "
-                       f"{body['stream_format']!r})", "stream_format", "invalid_value")
+        raise ApiError(
+            400,
+            f"stream_format: only 'audio' is supported (got {body['stream_format']!r})",
+            "stream_format",
+            "invalid_value",
+        )
     assert model is not None and text is not None  # required fields
     return SpeechRequest(model, text, voice, fmt, float(speed))
 
@@ -173,8 +223,9 @@ class OpenAISpeech:
         """GET /v1/models/{model}."""
         name = request.match_info["model"]
         if name not in MODELS:
-            return ApiError(404, f"model: the model {name!r} does not exist", "model",
-                            "model_not_found").response()
+            return ApiError(
+                404, f"model: the model {name!r} does not exist", "model", "model_not_found"
+            ).response()
         return web.json_response(self._model(name))
 
     async def voices(self, _request: web.Request) -> web.Response:
@@ -183,31 +234,52 @@ class OpenAISpeech:
             reply = await self.stub().ListVoices(pb.ListVoicesRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:
             return from_grpc(exc).response()
-        return web.json_response({"object": "list", "data": [
-            {"id": v.name, "object": "audio.voice", "name": v.name, "created_at": self.created,
-             "type": "audio_sample", "language_codes": list(v.language_codes),
-             "sample_rate_hz": v.sample_rate_hz, "description": v.description,
-             "is_default": v.is_default} for v in reply.voices]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": v.name,
+                        "object": "audio.voice",
+                        "name": v.name,
+                        "created_at": self.created,
+                        "type": "audio_sample",
+                        "language_codes": list(v.language_codes),
+                        "sample_rate_hz": v.sample_rate_hz,
+                        "description": v.description,
+                        "is_default": v.is_default,
+                    }
+                    for v in reply.voices
+                ],
+            }
+        )
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/audio/speech: the audio, streamed as it is made."""
         try:
             body = await request.json()
         except ValueError:
-            return ApiError(400, "the request body is not valid JSON", None,
-                            "invalid_json").response()
+            return ApiError(
+                400, "the request body is not valid JSON", None, "invalid_json"
+            ).response()
         try:
             speech = parse_speech_request(body)
         except ApiError as exc:
             return exc.response()
-        request_id = request.headers.get("X-Request-Id", "")[:128] or f"openai-{uuid.uuid4().hex[:12]}"
+        request_id = (
+            request.headers.get("X-Request-Id", "")[:128] or f"openai-{uuid.uuid4().hex[:12]}"
+        )
         call = self.stub().Synthesize(speech.to_grpc(request_id), timeout=RPC_TIMEOUT_S)
         response = None
         try:
             # Wait for the first message: until then an error can still be a proper status.
             first = await call.read()
-            response = web.StreamResponse(headers={
-                "Content-Type": FORMATS[speech.response_format][1], "X-Request-Id": request_id})
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": FORMATS[speech.response_format][1],
+                    "X-Request-Id": request_id,
+                }
+            )
             response.enable_chunked_encoding()
             await response.prepare(request)
             message = first
@@ -220,8 +292,12 @@ class OpenAISpeech:
         except grpc.aio.AioRpcError as exc:
             if response is None:
                 return from_grpc(exc).response()
-            log.warning("speech %s failed after its first byte: %s %s", request_id,
-                        exc.code().name, exc.details())
+            log.warning(
+                "speech %s failed after its first byte: %s %s",
+                request_id,
+                exc.code().name,
+                exc.details(),
+            )
             if request.transport is not None:
                 request.transport.close()  # a cut stream must not look complete
             return response

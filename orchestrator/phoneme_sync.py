@@ -38,16 +38,24 @@ class SyncPlan:
 class SyncPlanner:
     """Builds a segment's SyncPlan from the LM's tokenizer, a cap and a duration predictor."""
 
-    def __init__(self, tokenizer_path: Path, prompt_template: str, cap: int = 8,
-                 band: tuple[float, float] = (1.0, 1.0), predictor_path: Path | None = None,
-                 floor: int = 0):
+    def __init__(
+        self,
+        tokenizer_path: Path,
+        prompt_template: str,
+        cap: int = 8,
+        band: tuple[float, float] = (1.0, 1.0),
+        predictor_path: Path | None = None,
+        floor: int = 0,
+    ):
         from tokenizers import Tokenizer
 
         if not Path(tokenizer_path).is_file():
             raise ValueError(f"phoneme_sync needs the LM's tokenizer: {tokenizer_path} is missing")
         if cap < 1 or not 0 <= band[0] <= band[1] or not 0 <= floor <= cap:
-            raise ValueError("phoneme_sync needs max_tokens_per_phoneme >= 1, a band [lo, hi] "
-                             "with 0 <= lo <= hi and 0 <= min_tokens_per_phoneme <= the cap")
+            raise ValueError(
+                "phoneme_sync needs max_tokens_per_phoneme >= 1, a band [lo, hi] "
+                "with 0 <= lo <= hi and 0 <= min_tokens_per_phoneme <= the cap"
+            )
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.prompt_template = prompt_template
         self.cap, self.band, self.floor = int(cap), (float(band[0]), float(band[1])), int(floor)
@@ -58,10 +66,14 @@ class SyncPlanner:
         """From a voice manifest's `phoneme_sync` entry."""
         band = config.get("band", [1.0, 1.0])
         weights = config.get("durations")
-        return cls(voice_dir / "lm" / "tokenizer.json", prompt_template,
-                   int(config.get("max_tokens_per_phoneme", 8)), (float(band[0]), float(band[1])),
-                   voice_dir / weights if weights else None,
-                   int(config.get("min_tokens_per_phoneme", 0)))
+        return cls(
+            voice_dir / "lm" / "tokenizer.json",
+            prompt_template,
+            int(config.get("max_tokens_per_phoneme", 8)),
+            (float(band[0]), float(band[1])),
+            voice_dir / weights if weights else None,
+            int(config.get("min_tokens_per_phoneme", 0)),
+        )
 
     @property
     def schedules_rate(self) -> bool:
@@ -72,13 +84,17 @@ class SyncPlanner:
     def plan(self, model_input: str, speaking_rate: float = 1.0) -> SyncPlan | None:
         """The plan of one segment; None when its prompt does not hold its phonemes one per id."""
         text = self.tokenizer.encode(model_input, add_special_tokens=False)
-        prompt = self.tokenizer.encode(self.prompt_template.replace("{text}", model_input),
-                                       add_special_tokens=False).ids
+        prompt = self.tokenizer.encode(
+            self.prompt_template.replace("{text}", model_input), add_special_tokens=False
+        ).ids
         ids = text.ids
-        chars = self.tokenizer.normalizer.normalize_str(model_input) if self.tokenizer.normalizer \
+        chars = (
+            self.tokenizer.normalizer.normalize_str(model_input)
+            if self.tokenizer.normalizer
             else model_input
+        )
         n = len(ids)
-        inner = next((i for i in range(len(prompt) - n + 1) if prompt[i:i + n] == ids), None)
+        inner = next((i for i in range(len(prompt) - n + 1) if prompt[i : i + n] == ids), None)
         if n == 0 or len(chars) != n or inner is None:
             return None
         if self.predictor is None:

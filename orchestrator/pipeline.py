@@ -42,8 +42,12 @@ _MAX_QUEUED_CHUNKS = 8
 # would otherwise take thousands of tokens. It must exceed what the vocoder holds back for its
 # next chunk (--max-chunk-frames 128 plus context, about 1.6 s), or both sides would wait.
 _MAX_IN_VOCODER_S = 3.0
-_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+_PASS_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,9 @@ class SynthesisRequest:
         return f"{self.request_id}.{self.call_id}"
 
 
-def downstream_error(service: str, replica: Replica | None,
-                     exc: grpc.aio.AioRpcError) -> StatusError:
+def downstream_error(
+    service: str, replica: Replica | None, exc: grpc.aio.AioRpcError
+) -> StatusError:
     """The caller's status for a failed downstream call; the replica's address goes to the log only."""
     code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
     address = replica.address if replica is not None else "(none picked)"
@@ -78,8 +83,9 @@ def downstream_error(service: str, replica: Replica | None,
 
 
 class _Segment:
-    def __init__(self, text: str, model_input: str, normalized: str = "",
-                 plan: SyncPlan | None = None):
+    def __init__(
+        self, text: str, model_input: str, normalized: str = "", plan: SyncPlan | None = None
+    ):
         self.text = text
         self.model_input = model_input
         self.normalized = normalized or text
@@ -97,13 +103,24 @@ class _Segment:
             elif t != voice.end_token_id:
                 self.phoneme_starts.append(self.num_speech)
 
-    def word_timings(self, index: int, base_tokens: int, ms_per_token: float) -> tts_pb2.WordTimings:
+    def word_timings(
+        self, index: int, base_tokens: int, ms_per_token: float
+    ) -> tts_pb2.WordTimings:
         assert self.plan is not None, "word timings come from phoneme-synchronous segments"
-        spans = word_spans(self.normalized, self.plan.phoneme_chars, self.phoneme_starts,
-                           self.num_speech)
-        return tts_pb2.WordTimings(words=[tts_pb2.WordTiming(
-            word=w.word, start_ms=(base_tokens + w.start) * ms_per_token,
-            end_ms=(base_tokens + w.end) * ms_per_token, segment=index) for w in spans])
+        spans = word_spans(
+            self.normalized, self.plan.phoneme_chars, self.phoneme_starts, self.num_speech
+        )
+        return tts_pb2.WordTimings(
+            words=[
+                tts_pb2.WordTiming(
+                    word=w.word,
+                    start_ms=(base_tokens + w.start) * ms_per_token,
+                    end_ms=(base_tokens + w.end) * ms_per_token,
+                    segment=index,
+                )
+                for w in spans
+            ]
+        )
 
 
 class VocodeSession:
@@ -122,9 +139,15 @@ class VocodeSession:
         self._counted = True
         stub = vocoder_pb2_grpc.VocoderStub(self.replica.channel)
         self.call = stub.Vocode()  # the channel's interceptor adds the call's traceparent
-        await self.write(vocoder_pb2.VocodeRequest(config=vocoder_pb2.VocodeConfig(
-            voice=self.voice.name, input_kind=vocoder_pb2.INPUT_KIND_SPEECH_TOKENS,
-            request_id=self.request_id)))
+        await self.write(
+            vocoder_pb2.VocodeRequest(
+                config=vocoder_pb2.VocodeConfig(
+                    voice=self.voice.name,
+                    input_kind=vocoder_pb2.INPUT_KIND_SPEECH_TOKENS,
+                    request_id=self.request_id,
+                )
+            )
+        )
 
     async def write(self, message: vocoder_pb2.VocodeRequest) -> None:
         assert self.call is not None, "open() first"
@@ -162,7 +185,9 @@ async def pick_ready(pool: ReplicaPool) -> Replica:
     tried: tuple[Replica, ...] = ()
     while True:
         replica = pool.pick(exclude=tried)
-        if replica.channel.get_state() == grpc.ChannelConnectivity.READY or await pool.check(replica):
+        if replica.channel.get_state() == grpc.ChannelConnectivity.READY or await pool.check(
+            replica
+        ):
             return replica
         tried += (replica,)
 
@@ -170,9 +195,15 @@ async def pick_ready(pool: ReplicaPool) -> Replica:
 class Pipeline:
     """Runs syntheses against pools of text-service and vocoder-service replicas."""
 
-    def __init__(self, text_pool: ReplicaPool, vocoder_pool: ReplicaPool, frontends: dict,
-                 lookahead_segments: int = 1, stream_chunk_tokens: int = 8,
-                 max_audio_ahead_s: float = 4.0):
+    def __init__(
+        self,
+        text_pool: ReplicaPool,
+        vocoder_pool: ReplicaPool,
+        frontends: dict,
+        lookahead_segments: int = 1,
+        stream_chunk_tokens: int = 8,
+        max_audio_ahead_s: float = 4.0,
+    ):
         if max_audio_ahead_s <= 0:
             raise ValueError(f"max_audio_ahead_s must be > 0 (got {max_audio_ahead_s})")
         self.text_pool = text_pool
@@ -191,9 +222,11 @@ class Pipeline:
     def planner(self, voice: VoiceSpec) -> SyncPlanner | None:
         """The voice's phoneme-sync planner (None when it does not declare phoneme_sync)."""
         if voice.name not in self._planners:
-            self._planners[voice.name] = SyncPlanner.for_voice(
-                voice.directory, voice.prompt_template, voice.phoneme_sync) \
-                if voice.phoneme_sync else None
+            self._planners[voice.name] = (
+                SyncPlanner.for_voice(voice.directory, voice.prompt_template, voice.phoneme_sync)
+                if voice.phoneme_sync
+                else None
+            )
         return self._planners[voice.name]
 
     async def warmup(self, voices: list[VoiceSpec], timeout_s: float = 60.0) -> None:
@@ -205,9 +238,16 @@ class Pipeline:
         texts = await asyncio.to_thread(self._load, voices)
         for voice in voices:
             language = voice.languages[0] if len(voice.languages) == 1 else ""
-            req = SynthesisRequest(request_id="warmup", voice=voice, language=language,
-                                   encoding="LINEAR16", sample_rate_hz=0, speaking_rate=1.0,
-                                   sampling=dict(voice.sampling), trace_id=secrets.token_hex(16))
+            req = SynthesisRequest(
+                request_id="warmup",
+                voice=voice,
+                language=language,
+                encoding="LINEAR16",
+                sample_rate_hz=0,
+                speaking_rate=1.0,
+                sampling=dict(voice.sampling),
+                trace_id=secrets.token_hex(16),
+            )
 
             async def pieces(texts=texts[voice.name]):
                 for text in texts:
@@ -220,8 +260,11 @@ class Pipeline:
             try:
                 await asyncio.wait_for(run(), timeout_s)
             except (TimeoutError, StatusError, grpc.aio.AioRpcError) as exc:
-                log.warning("warm-up synthesis of voice %s failed (the first request will be "
-                            "slower): %s", voice.name, exc)
+                log.warning(
+                    "warm-up synthesis of voice %s failed (the first request will be slower): %s",
+                    voice.name,
+                    exc,
+                )
 
     def _load(self, voices: list[VoiceSpec]) -> dict[str, list[str]]:
         """The blocking part of warmup(); returns the warm-up sentences of each voice."""
@@ -245,13 +288,21 @@ class Pipeline:
         """Front end and phoneme-sync plans of one text piece (run off the event loop); with a
         forced duration schedule the speaking rate scales the durations before synthesis."""
         planner = self.planner(req.voice)
-        return [_Segment(s.text, s.model_input, s.normalized,
-                         planner.plan(s.model_input, req.speaking_rate if planner.schedules_rate
-                                      else 1.0) if planner else None)
-                for s in frontend.process(text, req.language)]
+        return [
+            _Segment(
+                s.text,
+                s.model_input,
+                s.normalized,
+                planner.plan(s.model_input, req.speaking_rate if planner.schedules_rate else 1.0)
+                if planner
+                else None,
+            )
+            for s in frontend.process(text, req.language)
+        ]
 
-    async def synthesize(self, req: SynthesisRequest, texts: AsyncIterator[str],
-                         tracker: LatencyTracker) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+    async def synthesize(
+        self, req: SynthesisRequest, texts: AsyncIterator[str], tracker: LatencyTracker
+    ) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         """Audio chunks as they are made; the caller appends tracker.report().
 
         The work runs in one task group (`_run`) beside this generator, never inside it: a
@@ -272,9 +323,15 @@ class Pipeline:
                     yield tts_pb2.SynthesizeResponse(words=item)
                     continue
                 for piece in item:
-                    yield tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(
-                        audio=piece.audio, sequence_number=seq, first_sample=piece.first_sample,
-                        duration_s=piece.duration_s, sample_rate_hz=piece.sample_rate_hz))
+                    yield tts_pb2.SynthesizeResponse(
+                        audio=tts_pb2.AudioChunk(
+                            audio=piece.audio,
+                            sequence_number=seq,
+                            first_sample=piece.first_sample,
+                            duration_s=piece.duration_s,
+                            sample_rate_hz=piece.sample_rate_hz,
+                        )
+                    )
                     tracker.on_audio_sent(piece.duration_s)
                     ahead.taken(piece.duration_s)
                     seq += 1
@@ -282,21 +339,30 @@ class Pipeline:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
 
-    async def _run(self, req: SynthesisRequest, texts: AsyncIterator[str], tracker: LatencyTracker,
-                   outbox: asyncio.Queue, ahead: AheadBudget) -> None:
+    async def _run(
+        self,
+        req: SynthesisRequest,
+        texts: AsyncIterator[str],
+        tracker: LatencyTracker,
+        outbox: asyncio.Queue,
+        ahead: AheadBudget,
+    ) -> None:
         """Every task of one synthesis in one group: the first failure cancels the rest, and the
         outcome (the end, or the one error the caller should see) goes to the outbox."""
-        out = AudioOutput(req.voice.sample_rate, req.encoding, req.sample_rate_hz,
-                          self._stretch(req))
+        out = AudioOutput(
+            req.voice.sample_rate, req.encoding, req.sample_rate_hz, self._stretch(req)
+        )
         vocoder = VocodeSession(self.vocoder_pool, req.voice, req.downstream_id)
         in_vocoder = AheadBudget(_MAX_IN_VOCODER_S)
         try:
             await vocoder.open()
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._feed(req, texts, vocoder, tracker, outbox, group,
-                                             in_vocoder))
-                group.create_task(self._read_audio(vocoder, out, tracker, outbox, ahead,
-                                                   in_vocoder))
+                group.create_task(
+                    self._feed(req, texts, vocoder, tracker, outbox, group, in_vocoder)
+                )
+                group.create_task(
+                    self._read_audio(vocoder, out, tracker, outbox, ahead, in_vocoder)
+                )
             outbox.put_nowait(_END)
         except grpc.aio.AioRpcError as exc:  # opening the Vocode stream
             outbox.put_nowait(downstream_error("vocoder", vocoder.replica, exc))
@@ -342,7 +408,9 @@ class Pipeline:
 
         group.create_task(produce())
         lo = req.voice.speech_token_range[0]
-        ms_per_token = 1e3 * req.voice.samples_per_token / req.voice.sample_rate / self._stretch(req)
+        ms_per_token = (
+            1e3 * req.voice.samples_per_token / req.voice.sample_rate / self._stretch(req)
+        )
         s_per_token = req.voice.samples_per_token / req.voice.sample_rate
         index = 0
         while (seg := await ready.get()) is not None:
@@ -354,8 +422,12 @@ class Pipeline:
                     break
                 tracker.num_speech_tokens += len(ids)
                 in_vocoder.add(len(ids) * s_per_token)
-                await self._to_vocoder(vocoder, vocoder_pb2.VocodeRequest(
-                    tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])))
+                await self._to_vocoder(
+                    vocoder,
+                    vocoder_pb2.VocodeRequest(
+                        tokens=vocoder_pb2.TokenChunk(ids=[t - lo for t in ids])
+                    ),
+                )
             if seg.plan is not None:
                 outbox.put_nowait(seg.word_timings(index, base_tokens, ms_per_token))
             index += 1
@@ -364,11 +436,13 @@ class Pipeline:
                 # rather than hold its tail back until more text arrives.
                 await self._to_vocoder(vocoder, vocoder_pb2.VocodeRequest(flush=True))
         if tracker.num_segments == 0:
-            raise InvalidArgument("text: nothing to speak after normalisation (only "
-                                  "punctuation or symbols)")
+            raise InvalidArgument(
+                "text: nothing to speak after normalisation (only punctuation or symbols)"
+            )
         if tracker.num_speech_tokens == 0:
-            raise StatusError("the speech model produced no speech tokens for this text",
-                              grpc.StatusCode.INTERNAL)
+            raise StatusError(
+                "the speech model produced no speech tokens for this text", grpc.StatusCode.INTERNAL
+            )
         try:
             await vocoder.end()
         except grpc.aio.AioRpcError as exc:
@@ -388,31 +462,45 @@ class Pipeline:
             max_tokens = min(max_tokens, int(64 + voice.max_tokens_per_char * len(seg.model_input)))
         s = req.sampling
         sampling = text_pb2.SamplingConfig(
-            temperature=s.get("temperature", 0.0), top_p=s.get("top_p", 1.0),
-            top_k=s.get("top_k", 0), repetition_penalty=s.get("repetition_penalty", 1.0),
-            repetition_window=s.get("repetition_window", 0))
+            temperature=s.get("temperature", 0.0),
+            top_p=s.get("top_p", 1.0),
+            top_k=s.get("top_k", 0),
+            repetition_penalty=s.get("repetition_penalty", 1.0),
+            repetition_window=s.get("repetition_window", 0),
+        )
         if s.get("seed") is not None:
             sampling.seed = (int(s["seed"]) + index) % (1 << 64)
         if seg.plan is not None:
             p, (lo, hi) = seg.plan, voice.speech_token_range
             return text_pb2.GenerateRequest(
-                request_id=f"{req.downstream_id}-{index}", token_ids=text_pb2.TokenIds(ids=p.prompt_ids),
-                sampling=sampling, max_tokens=p.max_output_tokens,  # the plan bounds the output
-                stop_token_ids=[voice.end_token_id], stream_chunk_tokens=self.stream_chunk_tokens,
+                request_id=f"{req.downstream_id}-{index}",
+                token_ids=text_pb2.TokenIds(ids=p.prompt_ids),
+                sampling=sampling,
+                max_tokens=p.max_output_tokens,  # the plan bounds the output
+                stop_token_ids=[voice.end_token_id],
+                stream_chunk_tokens=self.stream_chunk_tokens,
                 phoneme_sync=text_pb2.PhonemeSync(
-                    phoneme_ids=p.phoneme_ids, speech_tokens=text_pb2.TokenRange(start=lo, end=hi),
-                    end_token_id=voice.end_token_id, min_tokens=p.min_tokens,
-                    max_tokens=p.max_tokens))
+                    phoneme_ids=p.phoneme_ids,
+                    speech_tokens=text_pb2.TokenRange(start=lo, end=hi),
+                    end_token_id=voice.end_token_id,
+                    min_tokens=p.min_tokens,
+                    max_tokens=p.max_tokens,
+                ),
+            )
         allowed = voice.allowed_token_range or voice.speech_token_range
         return text_pb2.GenerateRequest(
             request_id=f"{req.downstream_id}-{index}",
-            text=voice.prompt_template.replace("{text}", seg.model_input), sampling=sampling,
-            max_tokens=max_tokens, stop_token_ids=[voice.end_token_id],
+            text=voice.prompt_template.replace("{text}", seg.model_input),
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop_token_ids=[voice.end_token_id],
             stream_chunk_tokens=self.stream_chunk_tokens,
-            allowed_tokens=text_pb2.TokenRange(start=allowed[0], end=allowed[1]))
+            allowed_tokens=text_pb2.TokenRange(start=allowed[0], end=allowed[1]),
+        )
 
-    async def _generate(self, req: SynthesisRequest, seg: _Segment, tracker: LatencyTracker,
-                        index: int) -> None:
+    async def _generate(
+        self, req: SynthesisRequest, seg: _Segment, tracker: LatencyTracker, index: int
+    ) -> None:
         """Stream one segment's tokens into seg.tokens; retried once if a replica is gone."""
         request = self._generate_request(req, seg, index)
         tried: tuple[Replica, ...] = ()
@@ -436,8 +524,9 @@ class Pipeline:
                                 await seg.tokens.put(ids)
                             if resp.HasField("timings"):
                                 tracker.text_hop.address = replica.address
-                                tracker.on_segment_done(resp.timings, first_ms,
-                                                        1e3 * (time.perf_counter() - sent))
+                                tracker.on_segment_done(
+                                    resp.timings, first_ms, 1e3 * (time.perf_counter() - sent)
+                                )
                     finally:
                         # a call left unread (cancelled, failed) would stay paused on
                         # its replica, holding its cache: end it there
@@ -452,9 +541,15 @@ class Pipeline:
         await seg.tokens.put(None)
 
     # -- vocoder side -------------------------------------------------------------------------
-    async def _read_audio(self, vocoder: VocodeSession, out: AudioOutput, tracker: LatencyTracker,
-                          outbox: asyncio.Queue, ahead: AheadBudget,
-                          in_vocoder: AheadBudget) -> None:
+    async def _read_audio(
+        self,
+        vocoder: VocodeSession,
+        out: AudioOutput,
+        tracker: LatencyTracker,
+        outbox: asyncio.Queue,
+        ahead: AheadBudget,
+        in_vocoder: AheadBudget,
+    ) -> None:
         assert vocoder.replica is not None and vocoder.call is not None, "open() first"
         tracker.vocoder_hop.address = vocoder.replica.address
         while True:
@@ -471,7 +566,9 @@ class Pipeline:
                 continue
             t = resp.timings
             if 0 <= t.trigger_message < len(vocoder.sent_at):
-                tracker.vocoder_hop.add(1e3 * (now - vocoder.sent_at[t.trigger_message]) - t.service_ms)
+                tracker.vocoder_hop.add(
+                    1e3 * (now - vocoder.sent_at[t.trigger_message]) - t.service_ms
+                )
             in_vocoder.taken(resp.audio.num_samples / vocoder.voice.sample_rate)
             pcm = np.frombuffer(resp.audio.pcm, dtype="<i2").astype(np.float32) / 32767.0
             pieces = out.push(pcm)

@@ -20,8 +20,12 @@ _DOWN_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnecti
 class Replica:
     """One address of a backend, its channel and its load."""
 
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
-                 options: tuple[tuple[str, int], ...] = ()):
+    def __init__(
+        self,
+        address: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: tuple[tuple[str, int], ...] = (),
+    ):
         self.address = address
         channel_options: list[tuple[str, str | int]] = [
             *options,
@@ -31,13 +35,16 @@ class Replica:
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 2000),
             # a DNS name with several addresses (a headless Service) spreads calls over them
-            ("grpc.lb_policy_name", "round_robin")]
+            ("grpc.lb_policy_name", "round_robin"),
+        ]
         traced = client_interceptors()  # a CLIENT span and `traceparent` on each call
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=channel_options,
-                                                interceptors=traced)
-                        if credentials is not None
-                        else grpc.aio.insecure_channel(address, options=channel_options,
-                                                       interceptors=traced))
+        self.channel = (
+            grpc.aio.secure_channel(
+                address, credentials, options=channel_options, interceptors=traced
+            )
+            if credentials is not None
+            else grpc.aio.insecure_channel(address, options=channel_options, interceptors=traced)
+        )
         self.in_flight = 0
         self.healthy = True
 
@@ -52,9 +59,14 @@ class ReplicaPool:
     `channel_options` are added to every replica's channel.
     """
 
-    def __init__(self, addresses: list[str], service: str, check_interval_s: float = 1.0,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 channel_options: tuple[tuple[str, int], ...] = ()):
+    def __init__(
+        self,
+        addresses: list[str],
+        service: str,
+        check_interval_s: float = 1.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: tuple[tuple[str, int], ...] = (),
+    ):
         if not addresses:
             raise ValueError(f"at least one {service} address is required")
         self.service = service
@@ -84,11 +96,19 @@ class ReplicaPool:
 
     def pick(self, exclude: tuple[Replica, ...] = ()) -> Replica:
         """The healthy replica with the fewest requests in flight."""
-        candidates = [r for r in self.replicas if r.healthy and r not in exclude
-                      and r.channel.get_state(try_to_connect=True) not in _DOWN_STATES]
+        candidates = [
+            r
+            for r in self.replicas
+            if r.healthy
+            and r not in exclude
+            and r.channel.get_state(try_to_connect=True) not in _DOWN_STATES
+        ]
         if not candidates:
-            raise Unavailable(f"no healthy {self.service} replica ("
-                              + ", ".join(r.address for r in self.replicas) + ")")
+            raise Unavailable(
+                f"no healthy {self.service} replica ("
+                + ", ".join(r.address for r in self.replicas)
+                + ")"
+            )
         return min(candidates, key=lambda r: r.in_flight)
 
     def mark_down(self, replica: Replica, reason: str) -> None:
@@ -108,7 +128,8 @@ class ReplicaPool:
     async def check(self, replica: Replica) -> bool:
         try:
             reply = await health_pb2_grpc.HealthStub(replica.channel).Check(
-                health_pb2.HealthCheckRequest(service=self.service), timeout=1.0)
+                health_pb2.HealthCheckRequest(service=self.service), timeout=1.0
+            )
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as exc:
             ok = False

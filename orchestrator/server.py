@@ -47,8 +47,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         return self.pipeline.text_pool.any_healthy and self.pipeline.vocoder_pool.any_healthy
 
     # -- validation ---------------------------------------------------------------------------
-    def _request(self, context, *, voice: str, language_code: str, audio_config, sampling,
-                 request_id: str) -> SynthesisRequest:
+    def _request(
+        self, context, *, voice: str, language_code: str, audio_config, sampling, request_id: str
+    ) -> SynthesisRequest:
         name = voice or self.default_voice
         spec = self.voices.get(name)
         if spec is None:
@@ -60,15 +61,25 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         else:
             language = ""  # none given: the front end picks each sentence's language by its script
         if language is None:
-            raise InvalidArgument(f"language_code: voice {name!r} speaks "
-                                  f"{', '.join(spec.languages)} (got {language_code!r})")
+            raise InvalidArgument(
+                f"language_code: voice {name!r} speaks "
+                f"{', '.join(spec.languages)} (got {language_code!r})"
+            )
         if audio_config.encoding not in pb.AudioEncoding.values():
-            raise InvalidArgument(f"audio_config.encoding: unsupported value {audio_config.encoding}; "
-                                  f"use one of {', '.join(ENCODINGS)}")
-        encoding = pb.AudioEncoding.Name(audio_config.encoding) if audio_config.encoding else "LINEAR16"
+            raise InvalidArgument(
+                f"audio_config.encoding: unsupported value {audio_config.encoding}; "
+                f"use one of {', '.join(ENCODINGS)}"
+            )
+        encoding = (
+            pb.AudioEncoding.Name(audio_config.encoding) if audio_config.encoding else "LINEAR16"
+        )
         try:
-            fmt = resolve_audio_format(spec.sample_rate, encoding, audio_config.sample_rate_hz,
-                                       audio_config.speaking_rate or 1.0)
+            fmt = resolve_audio_format(
+                spec.sample_rate,
+                encoding,
+                audio_config.sample_rate_hz,
+                audio_config.speaking_rate or 1.0,
+            )
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         params = dict(spec.sampling)
@@ -81,31 +92,46 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             raise InvalidArgument("sampling.top_p must lie in (0, 1]")
         if params.get("top_k", 0) < 0:
             raise InvalidArgument("sampling.top_k must be >= 0 (0 = off)")
-        return SynthesisRequest(request_id=request_id or uuid.uuid4().hex, voice=spec,
-                                language=language, encoding=fmt.encoding,
-                                sample_rate_hz=fmt.output_rate if audio_config.sample_rate_hz else 0,
-                                speaking_rate=fmt.speaking_rate, sampling=params,
-                                trace_id=tracing.trace_id(context) or secrets.token_hex(16))
+        return SynthesisRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            voice=spec,
+            language=language,
+            encoding=fmt.encoding,
+            sample_rate_hz=fmt.output_rate if audio_config.sample_rate_hz else 0,
+            speaking_rate=fmt.speaking_rate,
+            sampling=params,
+            trace_id=tracing.trace_id(context) or secrets.token_hex(16),
+        )
 
     def _admit(self) -> None:
         if self.in_flight >= self.max_in_flight:
-            raise ResourceExhausted(f"{self.in_flight} syntheses in flight (max_in_flight="
-                                    f"{self.max_in_flight}); retry later")
+            raise ResourceExhausted(
+                f"{self.in_flight} syntheses in flight (max_in_flight="
+                f"{self.max_in_flight}); retry later"
+            )
 
     # -- RPCs -----------------------------------------------------------------------------------
-    async def Synthesize(self, request: pb.SynthesizeRequest,
-                         context: _SynthesizeContext) -> AsyncIterator[pb.SynthesizeResponse]:
+    async def Synthesize(
+        self, request: pb.SynthesizeRequest, context: _SynthesizeContext
+    ) -> AsyncIterator[pb.SynthesizeResponse]:
         """Speak a whole text; audio streams back as it is made, then the LatencyReport."""
         tracker = LatencyTracker(request.request_id)
         text = request.text
         if not text.strip():
             raise InvalidArgument("text: must not be empty")
         if len(text) > MAX_TEXT_CHARS:
-            raise InvalidArgument(f"text: {len(text)} characters exceed the limit of "
-                                  f"{MAX_TEXT_CHARS}; split it or use StreamingSynthesize")
-        req = self._request(context, voice=request.voice, language_code=request.language_code,
-                            audio_config=request.audio_config, sampling=request.sampling,
-                            request_id=request.request_id)
+            raise InvalidArgument(
+                f"text: {len(text)} characters exceed the limit of "
+                f"{MAX_TEXT_CHARS}; split it or use StreamingSynthesize"
+            )
+        req = self._request(
+            context,
+            voice=request.voice,
+            language_code=request.language_code,
+            audio_config=request.audio_config,
+            sampling=request.sampling,
+            request_id=request.request_id,
+        )
         tracker.request_id = req.request_id
         self._admit()
 
@@ -117,23 +143,34 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             yield msg
 
     async def StreamingSynthesize(
-            self, request_iterator: AsyncIterator[pb.StreamingSynthesizeRequest],
-            context: _StreamingContext) -> AsyncIterator[pb.SynthesizeResponse]:
+        self,
+        request_iterator: AsyncIterator[pb.StreamingSynthesizeRequest],
+        context: _StreamingContext,
+    ) -> AsyncIterator[pb.SynthesizeResponse]:
         """Config first, then text pieces; audio starts at the first sentence or clause."""
         tracker = LatencyTracker("")
         requests = request_iterator.__aiter__()
         try:
             first = await requests.__anext__()
         except StopAsyncIteration:
-            raise InvalidArgument("config: the first message must be a StreamingSynthesizeConfig "
-                                  "(the stream ended before it)") from None
+            raise InvalidArgument(
+                "config: the first message must be a StreamingSynthesizeConfig "
+                "(the stream ended before it)"
+            ) from None
         if first.WhichOneof("request") != "config":
-            raise InvalidArgument("config: the first message must be a StreamingSynthesizeConfig "
-                                  f"(got {first.WhichOneof('request') or 'an empty message'})")
+            raise InvalidArgument(
+                "config: the first message must be a StreamingSynthesizeConfig "
+                f"(got {first.WhichOneof('request') or 'an empty message'})"
+            )
         c = first.config
-        req = self._request(context, voice=c.voice, language_code=c.language_code,
-                            audio_config=c.audio_config, sampling=c.sampling,
-                            request_id=c.request_id)
+        req = self._request(
+            context,
+            voice=c.voice,
+            language_code=c.language_code,
+            audio_config=c.audio_config,
+            sampling=c.sampling,
+            request_id=c.request_id,
+        )
         tracker.request_id = req.request_id
         self._admit()
 
@@ -149,8 +186,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 total += len(msg.text)
                 blank = blank and not msg.text.strip()
                 if total > MAX_STREAMING_TEXT_CHARS:
-                    raise InvalidArgument(f"text: {total} characters exceed the streaming limit "
-                                          f"of {MAX_STREAMING_TEXT_CHARS}")
+                    raise InvalidArgument(
+                        f"text: {total} characters exceed the streaming limit "
+                        f"of {MAX_STREAMING_TEXT_CHARS}"
+                    )
                 for segment in segmenter.push(msg.text):
                     yield segment
             if blank:
@@ -163,7 +202,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
     async def _run(self, rpc: str, req: SynthesisRequest, texts, tracker: LatencyTracker):
         tracker.arrival = min(tracker.arrival, req.arrival)
-        tracing.annotate(**{"splittts.request_id": req.request_id, "splittts.voice": req.voice.name})
+        tracing.annotate(
+            **{"splittts.request_id": req.request_id, "splittts.voice": req.voice.name}
+        )
         self.in_flight += 1
         metrics.IN_FLIGHT.inc()
         status = "CANCELLED"
@@ -174,11 +215,20 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             report.trace_id = req.trace_id
             status = "OK"
             metrics.observe_report(report)
-            log_event(log, "synthesis", request_id=req.request_id, rpc=rpc, voice=req.voice.name,
-                      ttfa_ms=round(report.ttfa_ms, 1), ttft_ms=round(report.ttft_ms, 1),
-                      audio_s=round(report.audio_s, 3), rtf=round(report.rtf, 3),
-                      segments=report.num_segments, underruns=report.underruns,
-                      trace_id=req.trace_id)
+            log_event(
+                log,
+                "synthesis",
+                request_id=req.request_id,
+                rpc=rpc,
+                voice=req.voice.name,
+                ttfa_ms=round(report.ttfa_ms, 1),
+                ttft_ms=round(report.ttft_ms, 1),
+                audio_s=round(report.audio_s, 3),
+                rtf=round(report.rtf, 3),
+                segments=report.num_segments,
+                underruns=report.underruns,
+                trace_id=req.trace_id,
+            )
             yield pb.SynthesizeResponse(report=report)
         except StatusError as exc:
             status = exc.code.name
@@ -188,14 +238,21 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             metrics.IN_FLIGHT.dec()
             metrics.REQUESTS.labels(rpc, status).inc()
 
-    async def ListVoices(self, request: pb.ListVoicesRequest,
-                         context: _VoicesContext) -> pb.ListVoicesResponse:
+    async def ListVoices(
+        self, request: pb.ListVoicesRequest, context: _VoicesContext
+    ) -> pb.ListVoicesResponse:
         """Voices of this deployment, the default first."""
         voices = []
         for spec in self.voices.values():
             if request.language_code and spec.language_for(request.language_code) is None:
                 continue
-            voices.append(pb.Voice(name=spec.name, language_codes=list(spec.languages),
-                                   sample_rate_hz=spec.sample_rate, description=spec.description,
-                                   is_default=spec.name == self.default_voice))
+            voices.append(
+                pb.Voice(
+                    name=spec.name,
+                    language_codes=list(spec.languages),
+                    sample_rate_hz=spec.sample_rate,
+                    description=spec.description,
+                    is_default=spec.name == self.default_voice,
+                )
+            )
         return pb.ListVoicesResponse(voices=voices)

@@ -90,20 +90,20 @@ class TimeStretch:
             self._overlap_add(k * hop, self.window * self._input(pos, frame))
             self._prev, self._k = pos, k + 1
             keep_from = min(max(0, round((k + 1) * hop * self.rate) - tol), pos + hop)
-            self._x = self._x[keep_from - self._x_start:]
+            self._x = self._x[keep_from - self._x_start :]
             self._x_start = keep_from
         # Later frames add at or after k * hop: everything before it is final.
         upto = min(self._k * hop, out_end)
         if upto <= self._emitted:
             return np.zeros(0, np.float32)
-        out = self._y[self._emitted - self._y_start: upto - self._y_start].astype(np.float32)
-        self._y = self._y[upto - self._y_start:]
+        out = self._y[self._emitted - self._y_start : upto - self._y_start].astype(np.float32)
+        self._y = self._y[upto - self._y_start :]
         self._y_start = self._emitted = upto
         return out
 
     def _input(self, start: int, n: int) -> np.ndarray:
         """Input samples [start, start + n) in lead-in coordinates, zeros past the end."""
-        seg = self._x[start - self._x_start: start - self._x_start + n]
+        seg = self._x[start - self._x_start : start - self._x_start + n]
         if len(seg) < n:
             seg = np.concatenate([seg, np.zeros(n - len(seg))])
         return seg
@@ -112,7 +112,7 @@ class TimeStretch:
         end = at + len(values) - self._y_start
         if end > len(self._y):
             self._y = np.concatenate([self._y, np.zeros(end - len(self._y))])
-        self._y[at - self._y_start: end] += values
+        self._y[at - self._y_start : end] += values
 
 
 def _best_match(region: np.ndarray, target: np.ndarray) -> int:

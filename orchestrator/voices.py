@@ -44,20 +44,25 @@ class VoiceSpec:
             allowed = m.get("allowed_token_range")
             if allowed is not None and len(allowed) != 2:
                 raise ValueError("allowed_token_range: must be [start, end]")
-            spec = cls(name=str(m.get("name", directory.name)), directory=directory,
-                       description=str(m.get("description", "")),
-                       languages=tuple(m.get("languages") or ("en-US",)),
-                       sample_rate=int(m["sample_rate"]), speech_token_range=(lo, hi),
-                       end_token_id=int(m["end_token_id"]),
-                       prompt_template=str(m.get("prompt_template", "{text}")),
-                       text_frontend=dict(m.get("text_frontend") or {}),
-                       sampling=dict(m.get("sampling") or {}),
-                       allowed_token_range=(int(allowed[0]), int(allowed[1])) if allowed else None,
-                       max_tokens=int(m.get("max_tokens", 1200)),
-                       max_tokens_per_char=float(m.get("max_tokens_per_char",
-                                                       m.get("max_tokens_per_phoneme_char", 0.0))),
-                       samples_per_token=int(m.get("hop_size", 256)) * int(m.get("frames_per_token", 1)),
-                       phoneme_sync=dict(m["phoneme_sync"]) if m.get("phoneme_sync") else None)
+            spec = cls(
+                name=str(m.get("name", directory.name)),
+                directory=directory,
+                description=str(m.get("description", "")),
+                languages=tuple(m.get("languages") or ("en-US",)),
+                sample_rate=int(m["sample_rate"]),
+                speech_token_range=(lo, hi),
+                end_token_id=int(m["end_token_id"]),
+                prompt_template=str(m.get("prompt_template", "{text}")),
+                text_frontend=dict(m.get("text_frontend") or {}),
+                sampling=dict(m.get("sampling") or {}),
+                allowed_token_range=(int(allowed[0]), int(allowed[1])) if allowed else None,
+                max_tokens=int(m.get("max_tokens", 1200)),
+                max_tokens_per_char=float(
+                    m.get("max_tokens_per_char", m.get("max_tokens_per_phoneme_char", 0.0))
+                ),
+                samples_per_token=int(m.get("hop_size", 256)) * int(m.get("frames_per_token", 1)),
+                phoneme_sync=dict(m["phoneme_sync"]) if m.get("phoneme_sync") else None,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad or missing field ({exc})") from None
         if "{text}" not in spec.prompt_template:
@@ -80,8 +85,9 @@ class VoiceSpec:
         primary = code.split("-")[0].lower()
         aliases = {"zh": "cmn", "cmn": "cmn"}
         for lang in self.languages:
-            if aliases.get(lang.split("-")[0].lower(), lang.split("-")[0].lower()) == \
-                    aliases.get(primary, primary):
+            if aliases.get(lang.split("-")[0].lower(), lang.split("-")[0].lower()) == aliases.get(
+                primary, primary
+            ):
                 return lang
         return None
 
@@ -90,6 +96,12 @@ def discover(paths: list[str | Path] | None = None) -> list[VoiceSpec]:
     """Voices from explicit directories, else every folder under voices/ ("default" first)."""
     if paths:
         return [VoiceSpec.load(p) for p in paths]
-    found = sorted((d for d in VOICES_DIR.iterdir() if (d / "voice.json").is_file()),
-                   key=lambda d: (d.name != "default", d.name)) if VOICES_DIR.is_dir() else []
+    found = (
+        sorted(
+            (d for d in VOICES_DIR.iterdir() if (d / "voice.json").is_file()),
+            key=lambda d: (d.name != "default", d.name),
+        )
+        if VOICES_DIR.is_dir()
+        else []
+    )
     return [VoiceSpec.load(d) for d in found]

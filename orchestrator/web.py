@@ -67,8 +67,10 @@ def plain_error(code: grpc.StatusCode, details: str) -> str:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return "The server is busy with other requests right now; try again in a moment."
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ("The speech service is down or unreachable right now; "
-                "try again in a moment, or check that all services are running.")
+        return (
+            "The speech service is down or unreachable right now; "
+            "try again in a moment, or check that all services are running."
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "Speaking took too long and was stopped."
     return f"Something went wrong on the server ({code.name}): {details}"
@@ -118,16 +120,22 @@ class _Session:
             await self.stop()  # a new utterance replaces the one playing
             request_id = _request_id(msg)
             if kind == "speak":
-                req = pb.SynthesizeRequest(text=str(msg.get("text") or ""),
-                                           voice=str(msg.get("voice") or ""),
-                                           language_code=str(msg.get("language_code") or ""),
-                                           audio_config=_audio_config(msg), request_id=request_id)
+                req = pb.SynthesizeRequest(
+                    text=str(msg.get("text") or ""),
+                    voice=str(msg.get("voice") or ""),
+                    language_code=str(msg.get("language_code") or ""),
+                    audio_config=_audio_config(msg),
+                    request_id=request_id,
+                )
                 self.call = self.stub.Synthesize(req, timeout=RPC_TIMEOUT_S)
             else:
                 self.call = self.stub.StreamingSynthesize(timeout=RPC_TIMEOUT_S)
                 config = pb.StreamingSynthesizeConfig(
-                    voice=str(msg.get("voice") or ""), language_code=str(msg.get("language_code") or ""),
-                    audio_config=_audio_config(msg), request_id=request_id)
+                    voice=str(msg.get("voice") or ""),
+                    language_code=str(msg.get("language_code") or ""),
+                    audio_config=_audio_config(msg),
+                    request_id=request_id,
+                )
                 try:
                     await self.call.write(pb.StreamingSynthesizeRequest(config=config))
                 except grpc.aio.AioRpcError:
@@ -137,43 +145,78 @@ class _Session:
             self.task = asyncio.create_task(self._relay(self.call))
         elif kind in ("text", "end"):
             if not (self.streaming and self.busy):
-                await self.send_json({"type": "error", "code": "FAILED_PRECONDITION",
-                                      "message": "No chatbot stream is open: press Speak first."})
+                await self.send_json(
+                    {
+                        "type": "error",
+                        "code": "FAILED_PRECONDITION",
+                        "message": "No chatbot stream is open: press Speak first.",
+                    }
+                )
                 return
             try:
                 if kind == "text":
-                    await self.call.write(pb.StreamingSynthesizeRequest(text=str(msg.get("text") or "")))
+                    await self.call.write(
+                        pb.StreamingSynthesizeRequest(text=str(msg.get("text") or ""))
+                    )
                 else:
                     self.streaming = False
                     await self.call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the call already ended; its reader reports why
         else:
-            await self.send_json({"type": "error", "code": "INVALID_ARGUMENT",
-                                  "message": f"The page sent an unknown message type {kind!r}."})
+            await self.send_json(
+                {
+                    "type": "error",
+                    "code": "INVALID_ARGUMENT",
+                    "message": f"The page sent an unknown message type {kind!r}.",
+                }
+            )
 
     async def _relay(self, call) -> None:
         try:
             async for resp in call:
                 if resp.HasField("audio"):
                     a = resp.audio
-                    await self.send_bytes(CHUNK_HEADER.pack(a.sequence_number, a.sample_rate_hz,
-                                                            float(a.first_sample)) + a.audio)
+                    await self.send_bytes(
+                        CHUNK_HEADER.pack(
+                            a.sequence_number, a.sample_rate_hz, float(a.first_sample)
+                        )
+                        + a.audio
+                    )
                 elif resp.HasField("words"):
-                    await self.send_json({"type": "words", "words": [
-                        {"word": w.word, "start_ms": w.start_ms, "end_ms": w.end_ms,
-                         "segment": w.segment} for w in resp.words.words]})
+                    await self.send_json(
+                        {
+                            "type": "words",
+                            "words": [
+                                {
+                                    "word": w.word,
+                                    "start_ms": w.start_ms,
+                                    "end_ms": w.end_ms,
+                                    "segment": w.segment,
+                                }
+                                for w in resp.words.words
+                            ],
+                        }
+                    )
                 else:
-                    report = json_format.MessageToDict(resp.report, preserving_proto_field_name=True,
-                                                       always_print_fields_with_no_presence=True)
+                    report = json_format.MessageToDict(
+                        resp.report,
+                        preserving_proto_field_name=True,
+                        always_print_fields_with_no_presence=True,
+                    )
                     await self.send_json({"type": "report", "report": report})
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
-                await self.send_json({"type": "error", "code": exc.code().name,
-                                      "message": plain_error(exc.code(), exc.details() or ""),
-                                      "detail": exc.details() or ""})
+                await self.send_json(
+                    {
+                        "type": "error",
+                        "code": exc.code().name,
+                        "message": plain_error(exc.code(), exc.details() or ""),
+                        "detail": exc.details() or "",
+                    }
+                )
         except ConnectionResetError:
             call.cancel()
         finally:
@@ -195,8 +238,15 @@ class _Session:
 class WebDemo:
     """aiohttp app: the page, /api/voices, /api/status, /api/encode, the /ws relay, OpenAI's /v1."""
 
-    def __init__(self, grpc_target: str, *, token: str | None = None, web_auth: bool = False,
-                 allow_origins: Iterable[str] = (), tls: ClientTLS | None = None):
+    def __init__(
+        self,
+        grpc_target: str,
+        *,
+        token: str | None = None,
+        web_auth: bool = False,
+        allow_origins: Iterable[str] = (),
+        tls: ClientTLS | None = None,
+    ):
         self.grpc_target = grpc_target
         self.token, self.web_auth, self.tls = token, web_auth, tls
         self.allow_origins = {o.rstrip("/").lower() for o in allow_origins}
@@ -208,11 +258,13 @@ class WebDemo:
     def _stub(self) -> tts_pb2_grpc.TextToSpeechStub:
         if self.channel is None:
             interceptors = token_interceptors(self.token)
-            self.channel = (grpc.aio.secure_channel(self.grpc_target, self.tls.credentials(),
-                                                    interceptors=interceptors)
-                            if self.tls is not None
-                            else grpc.aio.insecure_channel(self.grpc_target,
-                                                           interceptors=interceptors))
+            self.channel = (
+                grpc.aio.secure_channel(
+                    self.grpc_target, self.tls.credentials(), interceptors=interceptors
+                )
+                if self.tls is not None
+                else grpc.aio.insecure_channel(self.grpc_target, interceptors=interceptors)
+            )
         return tts_pb2_grpc.TextToSpeechStub(self.channel)
 
     def app(self) -> web.Application:
@@ -249,8 +301,12 @@ class WebDemo:
         try:
             await self._stub().ListVoices(pb.ListVoicesRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:  # the requests that follow will report it
-            log.warning("the web relay could not reach %s at start-up: %s %s", self.grpc_target,
-                        exc.code().name, exc.details())
+            log.warning(
+                "the web relay could not reach %s at start-up: %s %s",
+                self.grpc_target,
+                exc.code().name,
+                exc.details(),
+            )
 
     async def stop(self) -> None:
         """Close every socket (cancelling its call) and the HTTP server."""
@@ -276,8 +332,9 @@ class WebDemo:
                 problem = check_bearer(f"Bearer {request.query['token']}", self.token)
                 if problem is None:  # remember it and take it out of the address bar
                     found = web.HTTPFound("/")
-                    found.set_cookie(COOKIE, self.token, httponly=True, samesite="Strict",
-                                     secure=request.secure)
+                    found.set_cookie(
+                        COOKIE, self.token, httponly=True, samesite="Strict", secure=request.secure
+                    )
                     return found
                 return web.Response(status=401, text=f"{problem}\n")
             if COOKIE in request.cookies:
@@ -312,24 +369,40 @@ class WebDemo:
         try:
             reply = await self._stub().ListVoices(pb.ListVoicesRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            return web.json_response({"error": plain_error(exc.code(), exc.details() or ""),
-                                      "code": exc.code().name}, status=503)
-        return web.json_response({"voices": [
-            {"name": v.name, "language_codes": list(v.language_codes),
-             "sample_rate_hz": v.sample_rate_hz, "description": v.description,
-             "is_default": v.is_default} for v in reply.voices]})
+            return web.json_response(
+                {"error": plain_error(exc.code(), exc.details() or ""), "code": exc.code().name},
+                status=503,
+            )
+        return web.json_response(
+            {
+                "voices": [
+                    {
+                        "name": v.name,
+                        "language_codes": list(v.language_codes),
+                        "sample_rate_hz": v.sample_rate_hz,
+                        "description": v.description,
+                        "is_default": v.is_default,
+                    }
+                    for v in reply.voices
+                ]
+            }
+        )
 
     async def status(self, _request: web.Request) -> web.Response:
         """Open sockets and calls this relay has in flight."""
-        return web.json_response({"sockets": len(self.sessions),
-                                  "calls_in_flight": sum(s.busy for s in self.sessions)})
+        return web.json_response(
+            {"sockets": len(self.sessions), "calls_in_flight": sum(s.busy for s in self.sessions)}
+        )
 
     async def websocket(self, request: web.Request) -> web.StreamResponse:
         if not self.origin_allowed(request):
             log.warning("refused a WebSocket from Origin %s", request.headers.get("Origin"))
-            return web.Response(status=403, text=f"Origin {request.headers.get('Origin')} may not "
-                                "open this socket: only the page's own origin and those given "
-                                "with --allow-origin may\n")
+            return web.Response(
+                status=403,
+                text=f"Origin {request.headers.get('Origin')} may not "
+                "open this socket: only the page's own origin and those given "
+                "with --allow-origin may\n",
+            )
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=1 << 20)
         await ws.prepare(request)
         session = _Session(ws, self._stub())
@@ -343,8 +416,13 @@ class WebDemo:
                     if not isinstance(msg, dict):
                         raise ValueError("not an object")
                 except ValueError:
-                    await session.send_json({"type": "error", "code": "INVALID_ARGUMENT",
-                                             "message": "The page sent a message that is not JSON."})
+                    await session.send_json(
+                        {
+                            "type": "error",
+                            "code": "INVALID_ARGUMENT",
+                            "message": "The page sent a message that is not JSON.",
+                        }
+                    )
                     continue
                 await session.handle(msg)
         finally:
@@ -369,7 +447,9 @@ def relay_tls(server: ServerTLS | None, backends: ClientTLS | None) -> ClientTLS
         return None
     ca = backends.ca if backends is not None and backends.ca else server.cert
     if server.mutual and (backends is None or backends.cert is None):
-        raise ValueError("--tls-client-ca on the orchestrator with --http-port needs "
-                         "--tls-client-cert and --tls-client-key for the web relay")
+        raise ValueError(
+            "--tls-client-ca on the orchestrator with --http-port needs "
+            "--tls-client-cert and --tls-client-key for the web relay"
+        )
     client = backends if server.mutual else None
     return ClientTLS(ca, client.cert if client else None, client.key if client else None)

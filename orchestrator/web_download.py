@@ -32,10 +32,12 @@ def encode_wav(wav_bytes: bytes, encoding: str) -> bytes:
     except (wave.Error, EOFError, RuntimeError, struct.error) as exc:  # wave's ways of failing
         raise ValueError(f"the body is not a WAV file ({exc or type(exc).__name__})") from None
     if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
-        raise ValueError(f"the WAV's rate must be between {MIN_SAMPLE_RATE} and "
-                         f"{MAX_SAMPLE_RATE} Hz (got {rate})")
+        raise ValueError(
+            f"the WAV's rate must be between {MIN_SAMPLE_RATE} and "
+            f"{MAX_SAMPLE_RATE} Hz (got {rate})"
+        )
     out = AudioOutput(rate, encoding)
-    samples = np.frombuffer(pcm[:len(pcm) // 2 * 2], "<i2").astype(np.float32) / 32767.0
+    samples = np.frombuffer(pcm[: len(pcm) // 2 * 2], "<i2").astype(np.float32) / 32767.0
     return b"".join(p.audio for p in out.push(samples) + out.finish())
 
 
@@ -43,17 +45,20 @@ async def encode(request: web.Request) -> web.Response:
     """POST /api/encode?format=mp3|flac|opus|aac with a WAV body."""
     fmt = request.query.get("format", "")
     if fmt not in FORMATS:
-        return web.json_response({"error": f"format must be one of {', '.join(FORMATS)} "
-                                           f"(got {fmt!r})"}, status=400)
+        return web.json_response(
+            {"error": f"format must be one of {', '.join(FORMATS)} (got {fmt!r})"}, status=400
+        )
     if (request.content_length or 0) > MAX_WAV_BYTES:
-        return web.json_response({"error": f"the WAV exceeds {MAX_WAV_BYTES >> 20} MiB"},
-                                 status=413)
+        return web.json_response(
+            {"error": f"the WAV exceeds {MAX_WAV_BYTES >> 20} MiB"}, status=413
+        )
     body = bytearray()
     async for chunk in request.content.iter_chunked(1 << 16):
         body += chunk
         if len(body) > MAX_WAV_BYTES:
-            return web.json_response({"error": f"the WAV exceeds {MAX_WAV_BYTES >> 20} MiB"},
-                                     status=413)
+            return web.json_response(
+                {"error": f"the WAV exceeds {MAX_WAV_BYTES >> 20} MiB"}, status=413
+            )
     try:
         data = await asyncio.to_thread(encode_wav, bytes(body), FORMATS[fmt])
     except ValueError as exc:

@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass
 
 _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
-_UNIT = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\s\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
+_UNIT = re.compile(
+    r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\s\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+"
+)
 _MAX_GROUP = 3
 
 
@@ -30,7 +32,11 @@ def spoken_units(normalized: str) -> list[str]:
     """The words a listener hears: Latin words without edge punctuation, Han characters one by one."""
     units = []
     for m in _UNIT.finditer(normalized):
-        u = m[0] if _HAN.fullmatch(m[0]) else m[0].strip(".,;:!?\"'()[]{}-…。，、；：！？“”‘’（）《》")
+        u = (
+            m[0]
+            if _HAN.fullmatch(m[0])
+            else m[0].strip(".,;:!?\"'()[]{}-…。，、；：！？“”‘’（）《》")
+        )
         if u and any(c.isalnum() for c in u):
             units.append(u)
     return units
@@ -64,11 +70,14 @@ def align(units: list[str], lengths: list[int]) -> list[tuple[int, int, int, int
             c = cost[i][j]
             if c == math.inf:
                 continue
-            for a, b in [(1, 1)] + [(1, k) for k in range(2, _MAX_GROUP + 1)] + \
-                        [(k, 1) for k in range(2, _MAX_GROUP + 1)]:
+            for a, b in (
+                [(1, 1)]
+                + [(1, k) for k in range(2, _MAX_GROUP + 1)]
+                + [(k, 1) for k in range(2, _MAX_GROUP + 1)]
+            ):
                 if i + a > n or j + b > m:
                     continue
-                ratio = sum(lengths[j:j + b]) / (scale * sum(w[i:i + a]))
+                ratio = sum(lengths[j : j + b]) / (scale * sum(w[i : i + a]))
                 step = abs(math.log(ratio)) + (0.0 if a == b == 1 else 0.6)
                 if c + step < cost[i + a][j + b]:
                     cost[i + a][j + b] = c + step
@@ -83,8 +92,9 @@ def align(units: list[str], lengths: list[int]) -> list[tuple[int, int, int, int
     return groups[::-1]
 
 
-def word_spans(normalized: str, phoneme_chars: str, phoneme_starts: list[int],
-               num_tokens: int) -> list[WordSpan]:
+def word_spans(
+    normalized: str, phoneme_chars: str, phoneme_starts: list[int], num_tokens: int
+) -> list[WordSpan]:
     """Spans of the spoken words of one segment, in speech tokens from its start.
 
     `phoneme_starts[k]`: speech tokens generated before phoneme character k (as many entries as

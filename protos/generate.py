@@ -19,8 +19,14 @@ def generate(out_root: Path) -> list[Path]:
     protos = sorted(PROTO_ROOT.rglob("*.proto"))
     out_root.mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out_root}",
-            f"--grpc_python_out={out_root}", f"--pyi_out={out_root}"]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        f"--pyi_out={out_root}",
+    ]
     if protoc.main(args + [str(p) for p in protos]) != 0:
         raise RuntimeError("protoc failed")
     # Package markers so the generated tree imports as regular packages.

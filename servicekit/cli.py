@@ -13,9 +13,12 @@ from servicekit.errors import ServiceFailed, StartupError
 from servicekit.logs import configure_logging
 
 
-def run_service(prog: str, parser: argparse.ArgumentParser,
-                run: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
-                argv: list[str] | None = None) -> int:
+def run_service(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
+    argv: list[str] | None = None,
+) -> int:
     """Run `run(args)` until shutdown, its spans named service `prog`; a bad flag, model, voice or
     busy port is one line and exit code 2, a failure while serving one line and exit code 1 (for a
     supervisor to restart)."""

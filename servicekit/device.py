@@ -37,8 +37,10 @@ def select_device(name: str = "auto") -> torch.device:
             return torch.device("cuda")
         return torch.device("cpu")
     if kind == "npu" and not npu_available():
-        raise ValueError("device 'npu' requested but torch_npu or an Ascend NPU is not available "
-                         "(install the 'npu' extra on a host with CANN)")
+        raise ValueError(
+            "device 'npu' requested but torch_npu or an Ascend NPU is not available "
+            "(install the 'npu' extra on a host with CANN)"
+        )
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA device is available")
     return torch.device(name)
@@ -46,9 +48,15 @@ def select_device(name: str = "auto") -> torch.device:
 
 def parse_dtype(name: str) -> torch.dtype:
     """Map 'float32' / 'fp16' / 'bfloat16' style names to torch dtypes."""
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
     try:
         return table[name.lower()]
     except KeyError:

@@ -14,8 +14,9 @@ class StatusError(Exception):
     code = grpc.StatusCode.INTERNAL
     retry_after_s: float | None = None
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None,
-                 retry_after_s: float | None = None):
+    def __init__(
+        self, message: str, code: grpc.StatusCode | None = None, retry_after_s: float | None = None
+    ):
         super().__init__(message)
         if code is not None:
             self.code = code

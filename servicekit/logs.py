@@ -10,8 +10,12 @@ import time
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": round(time.time(), 3), "level": record.levelname.lower(),
-                 "logger": record.name, "msg": record.getMessage()}
+        entry = {
+            "ts": round(time.time(), 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         fields = getattr(record, "fields", None)
         if fields:
             entry.update(fields)

@@ -52,16 +52,22 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
         await context.abort(status.code, str(status), trailing_metadata=trailers)
     # The caller learns only that it failed and the id to quote; the details stay in the log.
     error_id = trace_id(context) or secrets.token_hex(16)
-    log.error("unhandled error in %s", method, exc_info=exc,
-              extra={"fields": {"method": method, "trace_id": error_id}})
-    await context.abort(grpc.StatusCode.INTERNAL,
-                        f"internal error in {method}; logged with trace id {error_id}")
+    log.error(
+        "unhandled error in %s",
+        method,
+        exc_info=exc,
+        extra={"fields": {"method": method, "trace_id": error_id}},
+    )
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error in {method}; logged with trace id {error_id}"
+    )
 
 
 def _guard(behavior: Callable, method: str) -> Callable:
     """Wrap a handler so StatusError maps to its code and anything else to INTERNAL."""
     passthrough = (asyncio.CancelledError, grpc.aio.AbortError)
     if inspect.isasyncgenfunction(behavior):
+
         async def stream_wrapper(request, context):
             try:
                 async for item in behavior(request, context):
@@ -70,6 +76,7 @@ def _guard(behavior: Callable, method: str) -> Callable:
                 raise
             except Exception as exc:  # noqa: BLE001 - the whole point of the guard
                 await _abort(context, method, exc)
+
         return stream_wrapper
 
     async def unary_wrapper(request, context):
@@ -79,6 +86,7 @@ def _guard(behavior: Callable, method: str) -> Callable:
             raise
         except Exception as exc:  # noqa: BLE001
             await _abort(context, method, exc)
+
     return unary_wrapper
 
 
@@ -90,15 +98,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        for kind, factory in (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                              ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                              ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                              ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+        for kind, factory in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        ):
             behavior = getattr(handler, kind)
             if behavior is not None:
-                return factory(_guard(behavior, method),
-                               request_deserializer=handler.request_deserializer,
-                               response_serializer=handler.response_serializer)
+                return factory(
+                    _guard(behavior, method),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
         return handler
 
 
@@ -107,10 +119,13 @@ def _check_port_free(host: str, port: int, what: str) -> None:
     if port == 0:
         return
     try:
-        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
-        raise StartupError(f"{what} {host}:{port}: cannot resolve the host ({exc.strerror})") from None
+        raise StartupError(
+            f"{what} {host}:{port}: cannot resolve the host ({exc.strerror})"
+        ) from None
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and http.server
@@ -118,46 +133,64 @@ def _check_port_free(host: str, port: int, what: str) -> None:
                 sock.bind(address)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    raise StartupError(f"{what} {host}:{port} is already in use by another "
-                                       "process") from None
+                    raise StartupError(
+                        f"{what} {host}:{port} is already in use by another process"
+                    ) from None
 
 
-async def _set_health(health_servicer, services: list[Service],
-                      last: dict[str, bool] | None = None) -> dict[str, bool]:
+async def _set_health(
+    health_servicer, services: list[Service], last: dict[str, bool] | None = None
+) -> dict[str, bool]:
     """Each service SERVING while its servicer is ready (one without `ready()` always is).
 
     The server's own entry, "", stays SERVING until the drain: it says the process is alive
     (a liveness probe), the service names say whether to send it calls (a readiness probe).
     """
-    state = {s.name: bool(s.servicer.ready()) if callable(getattr(s.servicer, "ready", None))
-             else True for s in services}
+    state = {
+        s.name: bool(s.servicer.ready()) if callable(getattr(s.servicer, "ready", None)) else True
+        for s in services
+    }
     state[""] = True
     record_health(state)
     for name, ok in state.items():
         if last is None or last.get(name) != ok:
             if last is not None:
                 log.warning("health of %s is now %s", name, "SERVING" if ok else "NOT_SERVING")
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING if ok
-                                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await health_servicer.set(
+                name,
+                health_pb2.HealthCheckResponse.SERVING
+                if ok
+                else health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
     return state
 
 
-async def _follow_readiness(health_servicer, services: list[Service], state: dict[str, bool],
-                            interval_s: float) -> None:
+async def _follow_readiness(
+    health_servicer, services: list[Service], state: dict[str, bool], interval_s: float
+) -> None:
     while True:
         await asyncio.sleep(interval_s)
         state = await _set_health(health_servicer, services, state)
 
 
-async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int = 0,
-                metrics_port: int | None = 0, warmup: Callable[[], Awaitable[None] | None] | None = None,
-                grace_s: float = 10.0, on_stop: Callable[[], Awaitable[None] | None] | None = None,
-                stop_event: asyncio.Event | None = None,
-                serving_info: Callable[[int], Awaitable[dict] | dict] | None = None,
-                ready_interval_s: float = 0.5, device: str | None = None,
-                tls: ServerTLS | None = None, reflection_on: bool = True,
-                health_port: int | None = None,
-                interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> None:
+async def serve(
+    services: list[Service],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics_port: int | None = 0,
+    warmup: Callable[[], Awaitable[None] | None] | None = None,
+    grace_s: float = 10.0,
+    on_stop: Callable[[], Awaitable[None] | None] | None = None,
+    stop_event: asyncio.Event | None = None,
+    serving_info: Callable[[int], Awaitable[dict] | dict] | None = None,
+    ready_interval_s: float = 0.5,
+    device: str | None = None,
+    tls: ServerTLS | None = None,
+    reflection_on: bool = True,
+    health_port: int | None = None,
+    interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then drain in-flight calls for `grace_s`.
 
     Health reports NOT_SERVING until `warmup` returns and again while draining. Once serving, one
@@ -178,12 +211,15 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     if metrics_port is not None:
         _check_port_free(host, metrics_port, "metrics port")
     # the span first, so that it sees every outcome: a refused token, a mapped error
-    server = grpc.aio.server(interceptors=[server_interceptor(), *(interceptors or ()),
-                                           ErrorInterceptor()], options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        # gRPC sets SO_REUSEPORT by default, which lets a second server share a busy port
-        ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        interceptors=[server_interceptor(), *(interceptors or ()), ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC sets SO_REUSEPORT by default, which lets a second server share a busy port
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.name for s in services]
@@ -194,16 +230,25 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     record_health(dict.fromkeys(["", *names], False))
     if reflection_on:
         reflection.enable_server_reflection(
-            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME], server)
+            [
+                *names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
     try:
-        bound_port = (server.add_secure_port(f"{host}:{port}", tls.credentials()) if tls
-                      else server.add_insecure_port(f"{host}:{port}"))
+        bound_port = (
+            server.add_secure_port(f"{host}:{port}", tls.credentials())
+            if tls
+            else server.add_insecure_port(f"{host}:{port}")
+        )
     except RuntimeError:  # grpcio >= 1.50 raises where older versions returned 0
         bound_port = 0
     if bound_port == 0:
-        raise StartupError(f"gRPC port {host}:{port} could not be bound (in use, or not an "
-                           "address of this host)")
+        raise StartupError(
+            f"gRPC port {host}:{port} could not be bound (in use, or not an address of this host)"
+        )
     warn_if_exposed(host, bound_port, tls)
     health_server, bound_health = None, None
     if health_port is not None and health_port >= 0:
@@ -217,15 +262,19 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
     bound_metrics, telemetry = None, None
     if metrics_port is not None:
         try:
-            httpd, _ = start_http_server(metrics_port, addr=host,
-                                         certfile=tls.cert_path if tls else None,
-                                         keyfile=tls.key_path if tls else None)
+            httpd, _ = start_http_server(
+                metrics_port,
+                addr=host,
+                certfile=tls.cert_path if tls else None,
+                keyfile=tls.key_path if tls else None,
+            )
         except OSError as exc:
             await server.stop(None)
             if health_server is not None:
                 await health_server.stop(None)
-            raise StartupError(f"metrics port {host}:{metrics_port} could not be bound: "
-                               f"{exc.strerror or exc}") from None
+            raise StartupError(
+                f"metrics port {host}:{metrics_port} could not be bound: {exc.strerror or exc}"
+            ) from None
         bound_metrics = httpd.server_port
         if device is not None:
             # NVML's set-up and npu-smi probing stay off the event loop too
@@ -253,12 +302,23 @@ async def serve(services: list[Service], *, host: str = "127.0.0.1", port: int =
             await health_server.stop(None)
         raise
     state = await _set_health(health_servicer, services)
-    readiness = loop.create_task(_follow_readiness(health_servicer, services, state,
-                                                   ready_interval_s))
-    print(json.dumps({"event": "serving", "services": names, "host": host, "port": bound_port,
-                      "metrics_port": bound_metrics,
-                      **({"health_port": bound_health} if health_server else {}),
-                      **(extra or {})}), flush=True)
+    readiness = loop.create_task(
+        _follow_readiness(health_servicer, services, state, ready_interval_s)
+    )
+    print(
+        json.dumps(
+            {
+                "event": "serving",
+                "services": names,
+                "host": host,
+                "port": bound_port,
+                "metrics_port": bound_metrics,
+                **({"health_port": bound_health} if health_server else {}),
+                **(extra or {}),
+            }
+        ),
+        flush=True,
+    )
 
     await stop.wait()
     readiness.cancel()

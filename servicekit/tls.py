@@ -50,9 +50,11 @@ class ServerTLS:
         return self.client_ca is not None
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key, self.cert)],
-                                           root_certificates=self.client_ca,
-                                           require_client_auth=self.mutual)
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.mutual,
+        )
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,9 @@ class ClientTLS:
     key: bytes | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -73,22 +76,39 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("TLS (plaintext without --tls-cert; meant for 127.0.0.1 only)")
     g.add_argument("--tls-cert", metavar="PEM", help="this server's certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    g.add_argument("--tls-client-ca", metavar="PEM",
-                   help="require client certificates signed by this CA (mutual TLS)")
-    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
-                        help="serve gRPC server reflection")
-    parser.add_argument("--health-port", type=int, default=-1,
-                        help="also serve grpc.health.v1 alone, in plaintext, on this port for "
-                             "probes that cannot speak TLS (0 picks one, -1: off)")
+    g.add_argument(
+        "--tls-client-ca",
+        metavar="PEM",
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+    parser.add_argument(
+        "--reflection",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve gRPC server reflection",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=-1,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port for "
+        "probes that cannot speak TLS (0 picks one, -1: off)",
+    )
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """--tls-ca, --tls-client-cert, --tls-client-key for the channels this process dials."""
     g = parser.add_argument_group("TLS to the backends (plaintext without --tls-ca)")
-    g.add_argument("--tls-ca", metavar="PEM",
-                   help="dial the backends over TLS, trusting this CA for their certificates")
-    g.add_argument("--tls-client-cert", metavar="PEM",
-                   help="certificate to present to the backends (their --tls-client-ca signed it)")
+    g.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="dial the backends over TLS, trusting this CA for their certificates",
+    )
+    g.add_argument(
+        "--tls-client-cert",
+        metavar="PEM",
+        help="certificate to present to the backends (their --tls-client-ca signed it)",
+    )
     g.add_argument("--tls-client-key", metavar="PEM", help="the private key of --tls-client-cert")
 
 
@@ -100,8 +120,13 @@ def server_tls(args: argparse.Namespace) -> ServerTLS | None:
         return None
     if args.tls_cert is None or args.tls_key is None:
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
-    return ServerTLS(_read("--tls-cert", args.tls_cert), _read("--tls-key", args.tls_key),
-                     _read("--tls-client-ca", args.tls_client_ca), args.tls_cert, args.tls_key)
+    return ServerTLS(
+        _read("--tls-cert", args.tls_cert),
+        _read("--tls-key", args.tls_key),
+        _read("--tls-client-ca", args.tls_client_ca),
+        args.tls_cert,
+        args.tls_key,
+    )
 
 
 def client_tls(args: argparse.Namespace) -> ClientTLS | None:
@@ -110,12 +135,15 @@ def client_tls(args: argparse.Namespace) -> ClientTLS | None:
         raise ValueError("--tls-client-cert and --tls-client-key go together: give both or neither")
     if args.tls_ca is None:
         if args.tls_client_cert is not None:
-            raise ValueError("--tls-client-cert needs --tls-ca (a client certificate is only "
-                             "sent over TLS)")
+            raise ValueError(
+                "--tls-client-cert needs --tls-ca (a client certificate is only sent over TLS)"
+            )
         return None
-    return ClientTLS(_read("--tls-ca", args.tls_ca),
-                     _read("--tls-client-cert", args.tls_client_cert),
-                     _read("--tls-client-key", args.tls_client_key))
+    return ClientTLS(
+        _read("--tls-ca", args.tls_ca),
+        _read("--tls-client-cert", args.tls_client_cert),
+        _read("--tls-client-key", args.tls_client_key),
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -136,7 +164,11 @@ def warn_if_exposed(host: str, port: int, tls: ServerTLS | None) -> None:
     elif is_loopback(host):
         log.info("gRPC on %s:%d in plaintext (loopback only)", host, port)
     else:
-        log.warning("gRPC on %s:%d in PLAINTEXT: anyone who reaches this address can call it "
-                    "unencrypted; pass --tls-cert and --tls-key (and --tls-client-ca for the "
-                    "internal services), or bind 127.0.0.1", host, port,
-                    extra={"fields": {"host": host, "port": port, "tls": False}})
+        log.warning(
+            "gRPC on %s:%d in PLAINTEXT: anyone who reaches this address can call it "
+            "unencrypted; pass --tls-cert and --tls-key (and --tls-client-ca for the "
+            "internal services), or bind 127.0.0.1",
+            host,
+            port,
+            extra={"fields": {"host": host, "port": port, "tls": False}},
+        )

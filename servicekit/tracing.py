@@ -24,8 +24,10 @@ _tracer = trace.get_tracer("splittts")  # follows the provider that setup() inst
 
 def exporting() -> bool:
     """Whether an OTLP endpoint for traces is configured."""
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
 
 
 def build_provider(service: str):
@@ -84,8 +86,9 @@ def record_span(name: str, start: float, end: float, **attributes) -> None:
     if not trace.get_current_span().is_recording():
         return
     now_ns, now = time.time_ns(), time.perf_counter()
-    s = _tracer.start_span(name, start_time=now_ns - round(1e9 * (now - start)),
-                           attributes=attributes)
+    s = _tracer.start_span(
+        name, start_time=now_ns - round(1e9 * (now - start)), attributes=attributes
+    )
     s.end(end_time=now_ns - round(1e9 * (now - end)))
 
 

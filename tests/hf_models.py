@@ -1,4 +1,5 @@
 """Tiny random HF Qwen3.5 / Qwen3 checkpoints written with ``save_pretrained`` for tests."""
+
 from pathlib import Path
 
 import torch
@@ -27,7 +28,11 @@ TINY_DEFAULTS = {
         linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
         max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
         tie_word_embeddings=True,
         initializer_range=0.1,
     ),
@@ -45,7 +50,10 @@ TINY_DEFAULTS = {
         initializer_range=0.1,
     ),
 }
-_CLASSES = {"qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+_CLASSES = {
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
 
 
 def tiny_config(kind: str = "qwen3_5", **overrides):
@@ -71,7 +79,12 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
 
 
 def make_tiny_model(
-    tmp_path: str | Path, kind: str = "qwen3_5", *, seed: int = 0, max_shard_size: str | None = None, **overrides
+    tmp_path: str | Path,
+    kind: str = "qwen3_5",
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **overrides,
 ) -> Path:
     """Save a tiny random fp32 HF model of ``kind`` under ``tmp_path`` and return its directory."""
     config = tiny_config(kind, **overrides)

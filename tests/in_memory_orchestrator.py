@@ -23,12 +23,18 @@ from orchestrator.__main__ import main
 def as_dict(span) -> dict:
     """A finished span in the shape tests/test_tracing.py reads (OTLP's kind and status codes)."""
     ctx = span.get_span_context()
-    return {"service": span.resource.attributes["service.name"], "name": span.name,
-            "kind": span.kind.value + 1, "trace": trace.format_trace_id(ctx.trace_id),
-            "id": trace.format_span_id(ctx.span_id),
-            "parent": trace.format_span_id(span.parent.span_id) if span.parent else "",
-            "start": span.start_time, "end": span.end_time, "status": span.status.status_code.value,
-            "attrs": dict(span.attributes)}
+    return {
+        "service": span.resource.attributes["service.name"],
+        "name": span.name,
+        "kind": span.kind.value + 1,
+        "trace": trace.format_trace_id(ctx.trace_id),
+        "id": trace.format_span_id(ctx.span_id),
+        "parent": trace.format_span_id(span.parent.span_id) if span.parent else "",
+        "start": span.start_time,
+        "end": span.end_time,
+        "status": span.status.status_code.value,
+        "attrs": dict(span.attributes),
+    }
 
 
 if __name__ == "__main__":

@@ -74,8 +74,9 @@ class StandinNvml:
         return self._value(h.temp_c)
 
     def nvmlDeviceGetMemoryInfo(self, h: StandinGpu):
-        return SimpleNamespace(used=h.used_bytes, free=h.total_bytes - h.used_bytes,
-                               total=h.total_bytes)
+        return SimpleNamespace(
+            used=h.used_bytes, free=h.total_bytes - h.used_bytes, total=h.total_bytes
+        )
 
     def nvmlDeviceGetUtilizationRates(self, h: StandinGpu):
         return SimpleNamespace(gpu=self._value(h.util_gpu), memory=h.util_memory)

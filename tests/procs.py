@@ -21,10 +21,26 @@ class ServiceProcess:
     """`python -m <module> --port 0 --metrics-port 0 ...` with the bound ports read from stdout."""
 
     def __init__(self, module: str, *args: str, env: dict | None = None, timeout: float = 180.0):
-        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, **(env or {})})
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.stderr_lines: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         self.info = self._wait_serving(timeout)
@@ -61,7 +77,10 @@ class ServiceProcess:
 
     def metrics(self) -> str:
         import urllib.request
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as r:
             return r.read().decode()
 
     def alive(self) -> bool:

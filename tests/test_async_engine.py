@@ -81,6 +81,7 @@ def test_tokens_stream_and_finish_without_sharing_the_stream_map():
         ae.release("a")
         assert ae.num_pending == 0
         ae.stop()
+
     run(main())
 
 
@@ -97,6 +98,7 @@ def test_abort_before_the_engine_saw_the_request_frees_it():
             await asyncio.sleep(0.01)
         assert not engine.seqs and engine.aborted == ["a"]
         ae.stop()
+
     run(main())
 
 
@@ -122,6 +124,7 @@ def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones():
         with pytest.raises(EngineDeadError):
             ae.add("late", [1], SamplingParams())
         ae.stop()
+
     run(main())
 
 
@@ -146,6 +149,7 @@ def test_a_reader_that_falls_behind_pauses_only_its_own_request_until_it_catches
             assert slow.queue.qsize() <= 4
         assert tokens == [7] * 50 and "slow" not in engine.seqs
         ae.stop()
+
     run(main())
 
 

@@ -21,8 +21,11 @@ SR = 22050
 def tone(seconds: float, f0: float = 197.0, sr: int = SR) -> np.ndarray:
     """A harmonic tone (three partials), like a steady voiced vowel."""
     t = np.arange(int(seconds * sr)) / sr
-    x = (0.3 * np.sin(2 * np.pi * f0 * t) + 0.2 * np.sin(2 * np.pi * 2 * f0 * t + 1.0)
-         + 0.1 * np.sin(2 * np.pi * 3 * f0 * t + 2.0))
+    x = (
+        0.3 * np.sin(2 * np.pi * f0 * t)
+        + 0.2 * np.sin(2 * np.pi * 2 * f0 * t + 1.0)
+        + 0.1 * np.sin(2 * np.pi * 3 * f0 * t + 2.0)
+    )
     return x.astype(np.float32)
 
 
@@ -40,7 +43,7 @@ def random_chunks(x: np.ndarray, rng: np.random.Generator, max_len: int = 3000):
     i = 0
     while i < len(x):
         n = int(rng.integers(1, max_len))
-        yield x[i:i + n]
+        yield x[i : i + n]
         i += n
 
 
@@ -62,14 +65,14 @@ def assert_contiguous(pieces) -> None:
 
 
 def peak_hz(y: np.ndarray, sr: int) -> float:
-    seg = y[sr // 20: -sr // 20].astype(np.float64)
+    seg = y[sr // 20 : -sr // 20].astype(np.float64)
     spec = np.abs(np.fft.rfft(seg * np.hanning(len(seg)), 8 * len(seg)))
     return float(np.argmax(spec)) * sr / (8 * len(seg))
 
 
 def harmonic_purity(y: np.ndarray, f0: float, sr: int = SR) -> float:
     """Share of energy within 8 Hz of the tone's partials: broken joins spread it out."""
-    seg = y[sr // 20: -sr // 20].astype(np.float64)
+    seg = y[sr // 20 : -sr // 20].astype(np.float64)
     spec = np.abs(np.fft.rfft(seg * np.hanning(len(seg)))) ** 2
     freqs = np.fft.rfftfreq(len(seg), 1 / sr)
     near = np.zeros(len(spec), bool)
@@ -80,19 +83,30 @@ def harmonic_purity(y: np.ndarray, f0: float, sr: int = SR) -> float:
 
 # --- validation ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(encoding="AIFF"), "audio_config.encoding must be one of LINEAR16, WAV, FLAC, OGG_OPUS, "
-                            "MP3, MULAW, ALAW, AAC"),
-    (dict(sample_rate_hz=5),
-     "audio_config.sample_rate_hz must be 0 or between 8000 and 48000 (got 5)"),
-    (dict(sample_rate_hz=96000), "audio_config.sample_rate_hz"),
-    (dict(sample_rate_hz=-8000), "audio_config.sample_rate_hz"),
-    (dict(speaking_rate=0.4),
-     "audio_config.speaking_rate must be 0 (unset) or between 0.5 and 2.0"),
-    (dict(speaking_rate=2.01), "audio_config.speaking_rate"),
-    (dict(speaking_rate=-1.0), "audio_config.speaking_rate"),
-    (dict(speaking_rate=float("nan")), "audio_config.speaking_rate"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (
+            dict(encoding="AIFF"),
+            "audio_config.encoding must be one of LINEAR16, WAV, FLAC, OGG_OPUS, "
+            "MP3, MULAW, ALAW, AAC",
+        ),
+        (
+            dict(sample_rate_hz=5),
+            "audio_config.sample_rate_hz must be 0 or between 8000 and 48000 (got 5)",
+        ),
+        (dict(sample_rate_hz=96000), "audio_config.sample_rate_hz"),
+        (dict(sample_rate_hz=-8000), "audio_config.sample_rate_hz"),
+        (
+            dict(speaking_rate=0.4),
+            "audio_config.speaking_rate must be 0 (unset) or between 0.5 and 2.0",
+        ),
+        (dict(speaking_rate=2.01), "audio_config.speaking_rate"),
+        (dict(speaking_rate=-1.0), "audio_config.speaking_rate"),
+        (dict(speaking_rate=float("nan")), "audio_config.speaking_rate"),
+    ],
+)
 def test_bad_config_names_field_and_rule(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
         AudioOutput(SR, **{"encoding": "LINEAR16", **kwargs})
@@ -107,8 +121,10 @@ def test_defaults_and_limits():
         AudioOutput(0, "LINEAR16")
 
 
-@pytest.mark.parametrize("requested, used", [(0, 24000), (8000, 8000), (11025, 12000),
-                                              (16000, 16000), (32000, 48000), (44100, 48000)])
+@pytest.mark.parametrize(
+    "requested, used",
+    [(0, 24000), (8000, 8000), (11025, 12000), (16000, 16000), (32000, 48000), (44100, 48000)],
+)
 def test_opus_rate_is_smallest_supported_not_below_request(requested, used):
     assert AudioOutput(SR, "OGG_OPUS", requested).output_rate == used
 
@@ -123,6 +139,7 @@ def test_push_after_finish_is_an_error():
 
 
 # --- LINEAR16 and resampling --------------------------------------------------------------
+
 
 def test_linear16_is_immediate_passthrough():
     x = speechlike(0.5)
@@ -159,6 +176,7 @@ def test_resampled_tone_keeps_its_frequency():
 
 
 # --- containers ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("rate", [0, 16000])
 def test_wav_pieces_concatenate_into_one_readable_file(rate):
@@ -211,11 +229,13 @@ def test_ogg_opus_stream_decodes_to_the_same_tone(rate, used):
 
 # --- speaking rate ------------------------------------------------------------------------
 
+
 def test_rate_one_is_exact_passthrough():
     x = speechlike(0.5)
     stretch = TimeStretch(SR, 1.0)
-    y = np.concatenate([stretch.push(c) for c in random_chunks(x, np.random.default_rng(7))]
-                       + [stretch.finish()])
+    y = np.concatenate(
+        [stretch.push(c) for c in random_chunks(x, np.random.default_rng(7))] + [stretch.finish()]
+    )
     assert np.array_equal(y, x)
 
 

@@ -11,9 +11,14 @@ from vocoder_service.backends import OnnxBackend, TorchBackend, create_backend, 
 from vocoder_service.checkpoint import pretrained_checkpoint, resolve_checkpoint
 from vocoder_service.hifigan import Generator, HifiGanConfig
 
-TINY = dict(resblock="2", upsample_rates=[8, 8, 4], upsample_kernel_sizes=[16, 16, 8],
-            upsample_initial_channel=32, resblock_kernel_sizes=[3, 5, 7],
-            resblock_dilation_sizes=[[1, 2], [2, 6], [3, 12]])
+TINY = dict(
+    resblock="2",
+    upsample_rates=[8, 8, 4],
+    upsample_kernel_sizes=[16, 16, 8],
+    upsample_initial_channel=32,
+    resblock_kernel_sizes=[3, 5, 7],
+    resblock_dilation_sizes=[[1, 2], [2, 6], [3, 12]],
+)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +65,8 @@ def test_export_is_cached_by_checkpoint(ort_backend, onnx_cache):
     other = OnnxBackend(pretrained_checkpoint("LJSpeech"), cache_dir=onnx_cache)
     assert other.exported and other.model_path != ort_backend.model_path
     assert sorted(p.name for p in onnx_cache.iterdir()) == sorted(
-        [ort_backend.model_path.name, other.model_path.name])
+        [ort_backend.model_path.name, other.model_path.name]
+    )
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
@@ -76,7 +82,7 @@ def test_batched_equals_unbatched(which, ort_backend, torch_backend):
     mel = _mel(3, 17, seed=1).astype(np.float32)
     batched = backend.run(torch.from_numpy(mel) if which == "torch" else mel)
     for i in range(3):
-        np.testing.assert_allclose(batched[i], backend.run(mel[i:i + 1])[0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batched[i], backend.run(mel[i : i + 1])[0], atol=1e-5, rtol=0)
 
 
 def test_bad_input_shape_raises(ort_backend, torch_backend):
@@ -124,7 +130,7 @@ def test_stateful_streaming_equals_offline(which, ort_backend, torch_backend, on
     offline = backend.run(mel)[0]
     state, pieces, start = None, [], 0
     for n, final in [(14, False), (1, False), (40, False), (15, False), (0, True)]:
-        audio, state = backend.run_stream(mel[:, :, start:start + n], state, final)
+        audio, state = backend.run_stream(mel[:, :, start : start + n], state, final)
         pieces.append(audio)
         start += n
     streamed = np.concatenate(pieces)
@@ -139,22 +145,28 @@ def reference_mel(frames: int = 40) -> np.ndarray:
     """A fixed log-mel `[1, 80, frames]` from closed-form sinusoids (no random number stream
     that a library update could change)."""
     m, t = np.arange(80)[:, None], np.arange(frames)[None, :]
-    mel = -3.5 + 1.8 * np.sin(0.21 * m + 0.47 * t) + 1.1 * np.cos(0.037 * m * t + 0.3 * t) - 0.02 * m
+    mel = (
+        -3.5 + 1.8 * np.sin(0.21 * m + 0.47 * t) + 1.1 * np.cos(0.037 * m * t + 0.3 * t) - 0.02 * m
+    )
     return mel.astype(np.float32)[None]
 
 
-def test_one_generator_definition_gives_the_same_audio_in_all_three_forms(ort_backend, torch_backend):
+def test_one_generator_definition_gives_the_same_audio_in_all_three_forms(
+    ort_backend, torch_backend
+):
     """Offline torch, stateful streaming chunk by chunk (torch, and the exported step and final
     graphs in ONNX Runtime) and the offline ONNX export all derive from `Generator.forward`; each
     gives the audio recorded from the pretrained generator before they did (commit f20b853,
     when the three were written separately)."""
-    recorded = np.load(Path(__file__).parent / "fixtures" / "hifigan_universal_f20b853.npz")["audio"]
+    recorded = np.load(Path(__file__).parent / "fixtures" / "hifigan_universal_f20b853.npz")[
+        "audio"
+    ]
     mel = reference_mel()
     forms = {"torch offline": torch_backend.run(mel)[0], "onnx offline": ort_backend.run(mel)[0]}
     for name, backend in (("torch", torch_backend), ("onnx", ort_backend)):
         state, pieces, start = None, [], 0
         for n, final in [(15, False), (1, False), (17, False), (7, True)]:
-            audio, state = backend.run_stream(mel[:, :, start:start + n], state, final)
+            audio, state = backend.run_stream(mel[:, :, start : start + n], state, final)
             pieces.append(audio)
             start += n
         forms[f"{name} streamed"] = np.concatenate(pieces)

@@ -25,7 +25,9 @@ class RecordingBackend:
 
 
 def stream_with_jobs(config, frames: int):
-    s = VocoderStream(config, policy=ChunkPolicy(first_chunk_frames=8, growth=1.0, max_chunk_frames=8))
+    s = VocoderStream(
+        config, policy=ChunkPolicy(first_chunk_frames=8, growth=1.0, max_chunk_frames=8)
+    )
     s.push_mel(np.zeros((80, frames), np.float32))
     s.flush()
     return s, s.ready()
@@ -47,7 +49,7 @@ def test_fair_batches_and_frame_budget():
         backend, sizes = RecordingBackend(), []
         batcher = Batcher(backend, max_batch_frames=25, on_batch=lambda n, s: sizes.append(n))
         batcher.start()
-        long_stream, long_jobs = stream_with_jobs(config, 80)   # ten jobs of one stream
+        long_stream, long_jobs = stream_with_jobs(config, 80)  # ten jobs of one stream
         playing(long_stream, 30.0)  # its listener holds plenty of audio
         short_stream, short_jobs = stream_with_jobs(config, 8)  # one job
         futures = [batcher.submit(j) for j in long_jobs]
@@ -138,19 +140,35 @@ def test_earliest_playout_deadline_first():
             stream, jobs = stream_with_jobs(config, 24)
             streams[name] = (playing(stream, runs_out_in), jobs)
         streams["fresh"] = stream_with_jobs(config, 8)
-        for name, index in [("relaxed", 0), ("soon", 0), ("fresh", 0), ("underrun", 0),
-                            ("underrun", 1), ("relaxed", 1)]:  # arrival order
+        for name, index in [
+            ("relaxed", 0),
+            ("soon", 0),
+            ("fresh", 0),
+            ("underrun", 0),
+            ("underrun", 1),
+            ("relaxed", 1),
+        ]:  # arrival order
             batcher.submit(streams[name][1][index])
         order = []
         while batcher._pending:
             taken, batcher._pending = batcher._take(list(batcher._pending))
-            order += [(name, p.job.index) for p in taken
-                      for name, (stream, _) in streams.items() if p.job.stream is stream]
+            order += [
+                (name, p.job.index)
+                for p in taken
+                for name, (stream, _) in streams.items()
+                if p.job.stream is stream
+            ]
         await batcher.close()
         return order
 
-    assert asyncio.run(main()) == [("underrun", 0), ("underrun", 1), ("fresh", 0), ("soon", 0),
-                                   ("relaxed", 0), ("relaxed", 1)]
+    assert asyncio.run(main()) == [
+        ("underrun", 0),
+        ("underrun", 1),
+        ("fresh", 0),
+        ("soon", 0),
+        ("relaxed", 0),
+        ("relaxed", 1),
+    ]
 
 
 def test_a_batch_is_filled_in_deadline_order():

@@ -205,8 +205,13 @@ def test_state_slot_pool_hands_out_each_slot_once():
 
 
 def hybrid(num_blocks=10, slots=2, snapshots=2) -> BlockManager:
-    return BlockManager(num_blocks, BS, enable_prefix_caching=True, num_state_slots=slots,
-                        num_snapshot_slots=snapshots)
+    return BlockManager(
+        num_blocks,
+        BS,
+        enable_prefix_caching=True,
+        num_state_slots=slots,
+        num_snapshot_slots=snapshots,
+    )
 
 
 def test_hybrid_takes_and_returns_a_state_slot():

@@ -32,20 +32,36 @@ def deployment(voice_dir):
 
 
 def cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], stdout=stdout,
-                          stderr=subprocess.PIPE, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        timeout=300,
+    )
 
 
 def say(deployment, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    r = cli("synthesize", "hello there, how are you", "--seed", "1", "--server",
-            deployment.address, "-q", *args, **kwargs)
+    r = cli(
+        "synthesize",
+        "hello there, how are you",
+        "--seed",
+        "1",
+        "--server",
+        deployment.address,
+        "-q",
+        *args,
+        **kwargs,
+    )
     assert r.returncode == 0, r.stderr.decode()
     return r
 
 
 def ffmpeg_samples(path, *fmt: str) -> np.ndarray:
-    r = subprocess.run(["ffmpeg", "-v", "error", *fmt, "-i", str(path), "-f", "s16le", "-ac", "1",
-                        "pipe:1"], capture_output=True, timeout=60)
+    r = subprocess.run(
+        ["ffmpeg", "-v", "error", *fmt, "-i", str(path), "-f", "s16le", "-ac", "1", "pipe:1"],
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr.decode()
     return np.frombuffer(r.stdout, "<i2")
 
@@ -92,13 +108,24 @@ def test_flac_file_knows_its_length(deployment, tmp_path, to_stdout):
     assert np.abs(flac.astype(int) - pcm.astype(int)).max() <= 4
 
 
-@pytest.mark.parametrize("name, args, decode, rate", [
-    ("x.mp3", [], [], 22050), ("x.ogg", [], [], 24000), ("x.opus", [], [], 24000),
-    ("x.aac", [], [], 22050), ("x.ul", [], ["-f", "mulaw", "-ar", "8000"], 8000),
-    ("x.al", [], ["-f", "alaw", "-ar", "8000"], 8000),
-    ("x.bin", ["--format", "mp3"], ["-f", "mp3"], 22050),
-    ("x.audio", ["--format", "mulaw", "--sample-rate", "16000"], ["-f", "mulaw", "-ar", "16000"],
-     16000)])
+@pytest.mark.parametrize(
+    "name, args, decode, rate",
+    [
+        ("x.mp3", [], [], 22050),
+        ("x.ogg", [], [], 24000),
+        ("x.opus", [], [], 24000),
+        ("x.aac", [], [], 22050),
+        ("x.ul", [], ["-f", "mulaw", "-ar", "8000"], 8000),
+        ("x.al", [], ["-f", "alaw", "-ar", "8000"], 8000),
+        ("x.bin", ["--format", "mp3"], ["-f", "mp3"], 22050),
+        (
+            "x.audio",
+            ["--format", "mulaw", "--sample-rate", "16000"],
+            ["-f", "mulaw", "-ar", "16000"],
+            16000,
+        ),
+    ],
+)
 def test_format_follows_the_extension_or_the_flag(deployment, tmp_path, name, args, decode, rate):
     out = tmp_path / name
     say(deployment, "-o", str(out), *args)
@@ -133,13 +160,19 @@ def test_missing_voice_dir_is_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2 and "voice.json is missing" in one_line(r)
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--speaking-rate", "9"], "--speaking-rate must be between 0.5 and 2.0 (got 9.0)"),
-    (["--speaking-rate", "nan"], "--speaking-rate must be between"),
-    (["--sample-rate", "5"], "--sample-rate must be between 8000 and 48000 Hz, or 0 for the "
-                            "voice's own (got 5)"),
-    (["--format", "aiff"], "--format: unsupported 'aiff'"),
-    (["-o", "x.aiff"], "--format: unsupported 'aiff'")])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--speaking-rate", "9"], "--speaking-rate must be between 0.5 and 2.0 (got 9.0)"),
+        (["--speaking-rate", "nan"], "--speaking-rate must be between"),
+        (
+            ["--sample-rate", "5"],
+            "--sample-rate must be between 8000 and 48000 Hz, or 0 for the voice's own (got 5)",
+        ),
+        (["--format", "aiff"], "--format: unsupported 'aiff'"),
+        (["-o", "x.aiff"], "--format: unsupported 'aiff'"),
+    ],
+)
 def test_flags_are_checked_before_any_service_starts(voice_dir, tmp_path, args, match):
     # The services of this voice cannot start: a check made after starting them would say so.
     broken = shutil.copytree(voice_dir, tmp_path / "broken")
@@ -156,8 +189,9 @@ def test_service_start_up_error_keeps_its_reason(voice_dir, tmp_path):
     (broken / "lm" / "config.json").unlink()
     r = cli("synthesize", "hi", "-o", str(tmp_path / "x.wav"), "--voice-dir", str(broken), "-q")
     assert r.returncode == 2  # the service refused its model: a configuration error
-    assert one_line(r) == (f"tts-cli: text-service failed to start: --model {broken / 'lm'}: "
-                           "no config.json there")
+    assert one_line(r) == (
+        f"tts-cli: text-service failed to start: --model {broken / 'lm'}: no config.json there"
+    )
     (broken / "lm" / "config.json").write_text((voice_dir / "lm" / "config.json").read_text())
     (broken / "lm" / "model.safetensors").write_bytes(b"\x00" * 64)
     r = cli("synthesize", "hi", "-o", str(tmp_path / "x.wav"), "--voice-dir", str(broken), "-q")

@@ -34,8 +34,15 @@ def hf_model():
 
 
 def test_bundle_files_and_size():
-    for rel in ("voice.json", "README.md", "lm/config.json", "lm/model.safetensors", "lm/tokenizer.json",
-                "vocoder/token_decoder.json", "vocoder/token_decoder.safetensors"):
+    for rel in (
+        "voice.json",
+        "README.md",
+        "lm/config.json",
+        "lm/model.safetensors",
+        "lm/tokenizer.json",
+        "vocoder/token_decoder.json",
+        "vocoder/token_decoder.safetensors",
+    ):
         assert (VOICE / rel).is_file(), rel
     size = sum(p.stat().st_size for p in VOICE.rglob("*") if p.is_file())
     assert size <= 40 * 1024 * 1024
@@ -54,10 +61,16 @@ def test_manifest_matches_tokenizer_and_codebook(manifest, tokenizer, hf_model):
     voice = load_voice(VOICE)
     assert voice.codebook_size == hi - lo + 1
     assert voice.frames_per_token == manifest["frames_per_token"]
-    assert manifest["sample_rate"] == voice.config.sampling_rate and manifest["hop_size"] == voice.config.hop_size
+    assert (
+        manifest["sample_rate"] == voice.config.sampling_rate
+        and manifest["hop_size"] == voice.config.hop_size
+    )
     assert manifest["token_rate"] == pytest.approx(
-        voice.config.sampling_rate / voice.config.hop_size / voice.frames_per_token, abs=0.01)
-    assert tokenizer.id_to_token(lo) == "<|s_0|>" and tokenizer.id_to_token(hi) == f"<|s_{hi - lo}|>"
+        voice.config.sampling_rate / voice.config.hop_size / voice.frames_per_token, abs=0.01
+    )
+    assert (
+        tokenizer.id_to_token(lo) == "<|s_0|>" and tokenizer.id_to_token(hi) == f"<|s_{hi - lo}|>"
+    )
     assert tokenizer.id_to_token(manifest["end_token_id"]) == "<|eos|>"
     assert hf_model.config.eos_token_id == manifest["end_token_id"]
     assert hf_model.config.vocab_size > hi
@@ -67,8 +80,12 @@ def test_manifest_matches_tokenizer_and_codebook(manifest, tokenizer, hf_model):
 
 
 def test_prompt_template_tokenizes_to_specials_and_characters(manifest, tokenizer):
-    ids = tokenizer.encode(manifest["prompt_template"].replace("{text}", "h@l'oU"), add_special_tokens=False).ids
-    assert tokenizer.id_to_token(ids[0]) == "<|bos|>" and tokenizer.id_to_token(ids[-1]) == "<|sep|>"
+    ids = tokenizer.encode(
+        manifest["prompt_template"].replace("{text}", "h@l'oU"), add_special_tokens=False
+    ).ids
+    assert (
+        tokenizer.id_to_token(ids[0]) == "<|bos|>" and tokenizer.id_to_token(ids[-1]) == "<|sep|>"
+    )
     assert [tokenizer.id_to_token(i) for i in ids[1:-1]] == list("h@l'oU")
     assert tokenizer.token_to_id("<|unk|>") not in ids
 
@@ -107,10 +124,17 @@ def test_seeded_generation_is_reproducible_and_speaks(manifest, tokenizer, hf_mo
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
-        out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
-                                do_sample=True, temperature=0.7, top_k=50,
-                                eos_token_id=manifest["end_token_id"], pad_token_id=0)
-        runs.append(out[0, ids.shape[1]:].tolist())
+        out = hf_model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=40,
+            do_sample=True,
+            temperature=0.7,
+            top_k=50,
+            eos_token_id=manifest["end_token_id"],
+            pad_token_id=0,
+        )
+        runs.append(out[0, ids.shape[1] :].tolist())
     assert runs[0] == runs[1]
     lo, hi = manifest["speech_token_range"]
     assert sum(lo <= t <= hi for t in runs[0]) >= 10  # mostly speech tokens, not text
@@ -130,7 +154,9 @@ def test_token_decoder_turns_codes_into_mel(manifest):
         decoder.decode(np.array([voice.codebook_size]))
 
 
-@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng missing (make test installs it)")
+@pytest.mark.skipif(
+    shutil.which("espeak-ng") is None, reason="espeak-ng missing (make test installs it)"
+)
 def test_orchestrator_front_end_output_tokenizes_without_unknowns(manifest, tokenizer):
     from orchestrator.frontend.g2p import build_g2p
 
@@ -145,8 +171,10 @@ def test_orchestrator_front_end_output_tokenizes_without_unknowns(manifest, toke
 
 
 NATURAL = {  # ordinary sentences, none from the recipe's text sources
-    "en-US": ["The weather today is cool and bright, and we will walk to the park after lunch.",
-              "Please call me back when you have a minute, because the plumber is already here."],
+    "en-US": [
+        "The weather today is cool and bright, and we will walk to the park after lunch.",
+        "Please call me back when you have a minute, because the plumber is already here.",
+    ],
     "cmn-CN": ["今天天气很好，我们去公园散步吧。", "如果明天下雨，我们就在家里看书。"],
 }
 
@@ -162,17 +190,30 @@ def test_phoneme_sync_speaks_every_phoneme_once_in_order(manifest):
 
     assert manifest.get("phoneme_sync"), "the default voice is decoded phoneme by phoneme"
     planner = SyncPlanner.for_voice(VOICE, manifest["prompt_template"], manifest["phoneme_sync"])
-    engine = LLMEngine(EngineArgs(model=str(VOICE / "lm"), device="cpu", kv_cache_memory_bytes=1 << 27))
+    engine = LLMEngine(
+        EngineArgs(model=str(VOICE / "lm"), device="cpu", kv_cache_memory_bytes=1 << 27)
+    )
     lo, hi = manifest["speech_token_range"]
     end = manifest["end_token_id"]
     with FrontEnd(manifest["text_frontend"]) as frontend:
-        segments = [s for lang, texts in NATURAL.items() for t in texts for s in frontend.process(t, lang)]
+        segments = [
+            s for lang, texts in NATURAL.items() for t in texts for s in frontend.process(t, lang)
+        ]
     plans = [planner.plan(s.model_input) for s in segments]
     assert all(p is not None for p in plans)
-    params = [SamplingParams(temperature=t, seed=3, top_k=50, max_tokens=p.max_output_tokens,
-                             phoneme_sync=PhonemeSync(tuple(p.phoneme_ids), (lo, hi), end,
-                                                      tuple(p.min_tokens), tuple(p.max_tokens)))
-              for p in plans for t in (0.0, 0.8)]
+    params = [
+        SamplingParams(
+            temperature=t,
+            seed=3,
+            top_k=50,
+            max_tokens=p.max_output_tokens,
+            phoneme_sync=PhonemeSync(
+                tuple(p.phoneme_ids), (lo, hi), end, tuple(p.min_tokens), tuple(p.max_tokens)
+            ),
+        )
+        for p in plans
+        for t in (0.0, 0.8)
+    ]
     outs = engine.generate([p.prompt_ids for p in plans for _ in (0, 1)], params)
     for out, sp in zip(outs, params):
         c = sp.phoneme_sync

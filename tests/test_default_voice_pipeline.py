@@ -31,15 +31,23 @@ def synthesize(address: str, text: str, seed: int, language: str = "", temperatu
     if temperature is not None:
         sampling.temperature = temperature
     with grpc.insecure_channel(address) as ch:
-        responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(pb.SynthesizeRequest(
-            text=text, language_code=language, sampling=sampling), timeout=300))
-    audio = np.frombuffer(b"".join(r.audio.audio for r in responses if r.HasField("audio")),
-                          dtype="<i2").astype(np.float32) / 32767
+        responses = list(
+            tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                pb.SynthesizeRequest(text=text, language_code=language, sampling=sampling),
+                timeout=300,
+            )
+        )
+    audio = (
+        np.frombuffer(
+            b"".join(r.audio.audio for r in responses if r.HasField("audio")), dtype="<i2"
+        ).astype(np.float32)
+        / 32767
+    )
     return audio, responses[-1].report
 
 
 def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref ** 2) / max(np.sum((ref - test) ** 2), 1e-20)))
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - test) ** 2), 1e-20)))
 
 
 def test_seeded_synthesis_is_reproducible(deployment):
@@ -67,27 +75,42 @@ def test_stream_equals_offline_vocoding(deployment):
     # the voice is decoded phoneme by phoneme: the same plan the orchestrator makes
     from orchestrator.phoneme_sync import SyncPlanner
 
-    plan = SyncPlanner.for_voice(VOICE, manifest["prompt_template"],
-                                 manifest["phoneme_sync"]).plan(segment[0].model_input)
+    plan = SyncPlanner.for_voice(VOICE, manifest["prompt_template"], manifest["phoneme_sync"]).plan(
+        segment[0].model_input
+    )
     request = text_pb2.GenerateRequest(
         token_ids=text_pb2.TokenIds(ids=plan.prompt_ids),
-        sampling=text_pb2.SamplingConfig(temperature=s["temperature"], top_k=s["top_k"],
-                                         top_p=s.get("top_p", 1.0), seed=5,
-                                         repetition_penalty=s.get("repetition_penalty", 1.0)),
-        stop_token_ids=[manifest["end_token_id"]], max_tokens=plan.max_output_tokens,
+        sampling=text_pb2.SamplingConfig(
+            temperature=s["temperature"],
+            top_k=s["top_k"],
+            top_p=s.get("top_p", 1.0),
+            seed=5,
+            repetition_penalty=s.get("repetition_penalty", 1.0),
+        ),
+        stop_token_ids=[manifest["end_token_id"]],
+        max_tokens=plan.max_output_tokens,
         phoneme_sync=text_pb2.PhonemeSync(
-            phoneme_ids=plan.phoneme_ids, speech_tokens=text_pb2.TokenRange(start=lo, end=hi),
-            end_token_id=manifest["end_token_id"], min_tokens=plan.min_tokens,
-            max_tokens=plan.max_tokens))
+            phoneme_ids=plan.phoneme_ids,
+            speech_tokens=text_pb2.TokenRange(start=lo, end=hi),
+            end_token_id=manifest["end_token_id"],
+            min_tokens=plan.min_tokens,
+            max_tokens=plan.max_tokens,
+        ),
+    )
     with grpc.insecure_channel(deployment.by_name("text-service").address) as ch:
-        ids = [t for r in text_pb2_grpc.TextGenerationStub(ch).Generate(request, timeout=300)
-               for t in r.token_ids]
+        ids = [
+            t
+            for r in text_pb2_grpc.TextGenerationStub(ch).Generate(request, timeout=300)
+            for t in r.token_ids
+        ]
     codes = np.array([t - lo for t in ids if lo <= t <= hi])
     assert len(codes) == report.num_speech_tokens
     voice = load_voice(VOICE)
-    offline = OnnxBackend(voice.generator, intra_op_threads=1).run(voice.token_decoder.decode(codes)[None])[0]
+    offline = OnnxBackend(voice.generator, intra_op_threads=1).run(
+        voice.token_decoder.decode(codes)[None]
+    )[0]
     assert len(offline) == len(audio)
-    snr = 10 * np.log10(np.sum(offline ** 2) / max(np.sum((offline - audio) ** 2), 1e-20))
+    snr = 10 * np.log10(np.sum(offline**2) / max(np.sum((offline - audio) ** 2), 1e-20))
     assert snr >= 40.0
 
 
@@ -98,8 +121,11 @@ def test_mandarin_speaks(deployment):
 
 def test_word_timings_of_the_default_voice(deployment):
     with grpc.insecure_channel(deployment.address) as ch:
-        responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(pb.SynthesizeRequest(
-            text=SENTENCE), timeout=300))
+        responses = list(
+            tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                pb.SynthesizeRequest(text=SENTENCE), timeout=300
+            )
+        )
     words = [w for r in responses if r.HasField("words") for w in r.words.words]
     audio_s = sum(r.audio.duration_s for r in responses if r.HasField("audio"))
     assert [w.word for w in words] == SENTENCE.rstrip(".").split()

@@ -30,9 +30,8 @@ VOICES_IN_IMAGE = "/opt/split-tts/voices"
 # Lint rules a Dockerfile may switch off with an inline pragma, and why.
 ALLOWED_IGNORES = {
     "DL3008": "unpinned apt only on the Ubuntu CUDA base: its package versions follow the "
-              "pinned image tag and security updates, and cannot be checked from here",
+    "pinned image tag and security updates, and cannot be checked from here",
 }
-
 
 
 def served_ports(ns) -> set[int]:
@@ -55,18 +54,25 @@ def assert_mutual_tls(name: str, ns) -> None:
     assert ns.tls_cert == f"/certs/{name}.pem" and ns.tls_key == f"/certs/{name}-key.pem"
     if name == "orchestrator":
         assert (ns.tls_ca, ns.tls_client_cert, ns.tls_client_key) == (
-            "/certs/ca.pem", "/certs/orchestrator.pem", "/certs/orchestrator-key.pem")
+            "/certs/ca.pem",
+            "/certs/orchestrator.pem",
+            "/certs/orchestrator-key.pem",
+        )
         assert ns.api_token_file and ns.web_auth, "the API and the published web port need a token"
     else:
         assert ns.tls_client_ca == "/certs/ca.pem"
+
 
 def health_names() -> dict[str, str]:
     from splittts.text.v1 import text_pb2
     from splittts.tts.v1 import tts_pb2
     from splittts.vocoder.v1 import vocoder_pb2
-    return {"text-service": text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
-            "vocoder-service": vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name,
-            "orchestrator": tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"].full_name}
+
+    return {
+        "text-service": text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
+        "vocoder-service": vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name,
+        "orchestrator": tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"].full_name,
+    }
 
 
 def parser_for(script: str) -> ArgumentParser:
@@ -97,6 +103,7 @@ def parse_command(argv: list[str]) -> tuple[str, Namespace]:
 
 # -- Dockerfiles ---------------------------------------------------------------------------------
 
+
 def dockerfile(service: str) -> Path:
     return DOCKER / f"{service}.Dockerfile"
 
@@ -118,8 +125,9 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def arg_defaults(path: Path) -> dict[str, str]:
-    return dict(rest.split("=", 1) for kw, rest in instructions(path)
-                if kw == "ARG" and "=" in rest)
+    return dict(
+        rest.split("=", 1) for kw, rest in instructions(path) if kw == "ARG" and "=" in rest
+    )
 
 
 def one(path: Path, keyword: str) -> str:
@@ -158,9 +166,22 @@ def hadolint() -> str:
 def lint(path: Path, tmp_path: Path) -> tuple[int, list[dict]]:
     config = tmp_path / "hadolint.yaml"  # explicit and empty, so no user config can hide a rule
     config.write_text("ignored: []\n")
-    run = subprocess.run([hadolint(), "-c", str(config), "--no-color", "--format", "json",
-                          "--failure-threshold", "style", str(path)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            hadolint(),
+            "-c",
+            str(config),
+            "--no-color",
+            "--format",
+            "json",
+            "--failure-threshold",
+            "style",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return run.returncode, json.loads(run.stdout or "[]")
 
 
@@ -202,21 +223,26 @@ def test_dockerfile_build_shape(service):
     froms = [rest.split()[0] for kw, rest in steps if kw == "FROM"]
     assert len(froms) >= 2 and set(froms) == {"${BASE_IMAGE}"}, "multi-stage on a build-arg base"
     base = arg_defaults(path)["BASE_IMAGE"]
-    family = {"text-service": "cann", "vocoder-service": "nvidia/cuda",
-              "orchestrator": "python:3.11"}[service]
+    family = {
+        "text-service": "cann",
+        "vocoder-service": "nvidia/cuda",
+        "orchestrator": "python:3.11",
+    }[service]
     assert family in base and not base.endswith(":latest")
     assert any("protos/generate.py" in rest for kw, rest in steps if kw == "RUN")
     user = [rest for kw, rest in steps if kw == "USER"][-1]
     assert user.split(":")[0].isdigit() and int(user.split(":")[0]) != 0, "numeric non-root user"
     keywords = [kw for kw, _ in steps]
-    assert max(i for i, kw in enumerate(keywords) if kw == "USER") > \
-        max(i for i, kw in enumerate(keywords) if kw == "FROM"), "the final stage runs as that user"
+    assert max(i for i, kw in enumerate(keywords) if kw == "USER") > max(
+        i for i, kw in enumerate(keywords) if kw == "FROM"
+    ), "the final stage runs as that user"
 
 
 def test_pins_satisfy_pyproject_and_agree():
     project = PYPROJECT["project"]
-    specs = project["dependencies"] + [s for extra in ("npu", "gpu")
-                                       for s in project["optional-dependencies"][extra]]
+    specs = project["dependencies"] + [
+        s for extra in ("npu", "gpu") for s in project["optional-dependencies"][extra]
+    ]
     wanted = {Requirement(s).name.lower(): Requirement(s).specifier for s in specs}
     seen: dict[str, str] = {}
     for service in SERVICES:
@@ -232,10 +258,14 @@ def test_pins_satisfy_pyproject_and_agree():
 
 # -- the health probe ----------------------------------------------------------------------------
 
+
 def probe_code() -> str:
     codes = {healthcheck_argv(dockerfile(s))[2] for s in SERVICES}
-    codes |= {svc["healthcheck"]["test"][3] for svc in compose()["services"].values()
-              if "healthcheck" in svc}
+    codes |= {
+        svc["healthcheck"]["test"][3]
+        for svc in compose()["services"].values()
+        if "healthcheck" in svc
+    }
     assert len(codes) == 1, "one health probe everywhere"
     return codes.pop()
 
@@ -254,8 +284,10 @@ def test_health_probe_follows_the_serving_status():
         closed = s.getsockname()[1]
 
     def probe(address: str, service: str) -> int:
-        return subprocess.run([sys.executable, "-c", probe_code(), address, service],
-                              capture_output=True, timeout=30).returncode
+        return subprocess.run(
+            [sys.executable, "-c", probe_code(), address, service], capture_output=True, timeout=30
+        ).returncode
+
     try:
         assert probe(f"127.0.0.1:{port}", names["text-service"]) == 0
         assert probe(f"127.0.0.1:{port}", names["vocoder-service"]) != 0
@@ -267,11 +299,13 @@ def test_health_probe_follows_the_serving_status():
 
 # -- compose -------------------------------------------------------------------------------------
 
+
 def compose() -> dict:
     """The compose file with only the split-tts services (the monitoring profile is apart)."""
     spec = yaml.safe_load((DOCKER / "compose.yaml").read_text())
-    spec["services"] = {name: svc for name, svc in spec["services"].items()
-                        if "profiles" not in svc}
+    spec["services"] = {
+        name: svc for name, svc in spec["services"].items() if "profiles" not in svc
+    }
     return spec
 
 
@@ -303,8 +337,10 @@ def test_compose_wires_the_three_services():
         for port in svc.get("expose", []):
             assert int(port) in served_ports(ns)
         assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-c"]
-        assert svc["healthcheck"]["test"][4:] == [f"127.0.0.1:{probe_port(ns)}",
-                                                  health_names()[name]]
+        assert svc["healthcheck"]["test"][4:] == [
+            f"127.0.0.1:{probe_port(ns)}",
+            health_names()[name],
+        ]
     orch = parsed["orchestrator"]
     assert f"50050:{orch.port}" in services["orchestrator"]["ports"]
     for flag, backend in (("text_service", "text-service"), ("vocoder_service", "vocoder-service")):
@@ -319,6 +355,7 @@ def test_compose_wires_the_three_services():
 
 
 # -- Kubernetes ----------------------------------------------------------------------------------
+
 
 def manifests() -> list[dict]:
     docs = []
@@ -348,8 +385,10 @@ def test_k8s_deployments_services_and_probes():
         for e in c.get("env", []):
             ref = e.get("valueFrom", {}).get("configMapKeyRef")
             env[e["name"]] = config[ref["key"]] if ref else e["value"]
-        argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)  # noqa: B023
-                for a in c["args"]]
+        argv = [
+            re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)  # noqa: B023
+            for a in c["args"]
+        ]
         script, ns = parse_command(argv)
         assert script == name
         parsed[name] = ns
@@ -366,8 +405,10 @@ def test_k8s_deployments_services_and_probes():
         # would not help: its start-up and liveness probes ask for the server's own health.
         alive = "" if name == "orchestrator" else health_names()[name]
         # Kubernetes' gRPC probes speak no TLS: they ask the plaintext health-only port
-        assert c["readinessProbe"]["grpc"] == {"port": probe_port(ns),
-                                               "service": health_names()[name]}
+        assert c["readinessProbe"]["grpc"] == {
+            "port": probe_port(ns),
+            "service": health_names()[name],
+        }
         for probe in ("startupProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": probe_port(ns), "service": alive}
         if name in device:
@@ -384,15 +425,25 @@ def test_k8s_deployments_services_and_probes():
 
 # -- build context -------------------------------------------------------------------------------
 
+
 def dockerignored(rel: str, patterns: list[str]) -> bool:
     """Docker's rule: a path is out when it or a parent matches; the last matching line wins."""
     parts, out = rel.split("/"), False
     for pattern in patterns:
         negate = pattern.startswith("!")
         body = pattern.lstrip("!").strip("/")
-        regex = "".join("(.*/)?" if tok == "**/" else ".*" if tok == "**" else "[^/]*" if tok == "*"
-                        else "[^/]" if tok == "?" else re.escape(tok)
-                        for tok in re.findall(r"\*\*/|\*\*|\*|\?|[^*?]+", body))
+        regex = "".join(
+            "(.*/)?"
+            if tok == "**/"
+            else ".*"
+            if tok == "**"
+            else "[^/]*"
+            if tok == "*"
+            else "[^/]"
+            if tok == "?"
+            else re.escape(tok)
+            for tok in re.findall(r"\*\*/|\*\*|\*|\?|[^*?]+", body)
+        )
         if any(re.fullmatch(regex, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
             out = not negate
     return out
@@ -401,11 +452,23 @@ def dockerignored(rel: str, patterns: list[str]) -> bool:
 def test_dockerignore_keeps_what_the_images_build_from():
     lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()]
     patterns = [ln for ln in lines if ln and not ln.startswith("#")]
-    needed = ["pyproject.toml", "README.md", "protos/generate.py", "voices/default/voice.json",
-              *(str(p.relative_to(ROOT)) for p in (ROOT / "protos").rglob("*.proto")),
-              *(f"{pkg}/__init__.py" for pkg in ("servicekit", "kernels", "text_service",
-                                                  "vocoder_service", "orchestrator"))]
+    needed = [
+        "pyproject.toml",
+        "README.md",
+        "protos/generate.py",
+        "voices/default/voice.json",
+        *(str(p.relative_to(ROOT)) for p in (ROOT / "protos").rglob("*.proto")),
+        *(
+            f"{pkg}/__init__.py"
+            for pkg in ("servicekit", "kernels", "text_service", "vocoder_service", "orchestrator")
+        ),
+    ]
     assert [p for p in needed if dockerignored(p, patterns)] == []
-    for dropped in (".venv/bin/python", ".git/HEAD", "splittts/tts/v1/tts_pb2.py", "out/demo.wav",
-                    "text_service/__pycache__/engine.cpython-311.pyc"):
+    for dropped in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "splittts/tts/v1/tts_pb2.py",
+        "out/demo.wav",
+        "text_service/__pycache__/engine.cpython-311.pyc",
+    ):
         assert dockerignored(dropped, patterns), dropped

@@ -22,16 +22,20 @@ def fixture(name: str) -> str:
 
 
 def by_name(samples: list[Sample], name: str) -> dict[str, float]:
-    return {s.labels.get("device", s.labels.get("gpu", "")): s.value for s in samples
-            if s.name == name}
+    return {
+        s.labels.get("device", s.labels.get("gpu", "")): s.value for s in samples if s.name == name
+    }
 
 
 # -- npu-smi ---------------------------------------------------------------------------------
 
+
 def test_910b3_table_gives_every_chip_with_hbm_and_ai_core():
     chips = npu_smi.parse_info(fixture("info_910b3"))
     assert [(c.npu, c.chip, c.name, c.health) for c in chips] == [
-        ("0", "0", "910B3", "OK"), ("1", "0", "910B3", "Warning")]
+        ("0", "0", "910B3", "OK"),
+        ("1", "0", "910B3", "Warning"),
+    ]
     assert (chips[0].power_w, chips[0].temp_c, chips[0].aicore_pct) == (181.4, 52.0, 87.0)
     assert chips[0].usage_mb["HBM"] == (51213.0, 65536.0)  # "51213/ 65536": no space before /
     assert chips[1].usage_mb["HBM"] == (3411.0, 65536.0)
@@ -45,8 +49,10 @@ def test_910b3_table_gives_every_chip_with_hbm_and_ai_core():
 
 def test_910prob_reports_ddr_and_hbm_columns_apart():
     (chip,) = npu_smi.parse_info(fixture("info_910prob"))
-    assert chip.name == "910ProB" and chip.usage_mb == {"Memory": (2008.0, 15079.0),
-                                                        "HBM": (0.0, 32768.0)}
+    assert chip.name == "910ProB" and chip.usage_mb == {
+        "Memory": (2008.0, 15079.0),
+        "HBM": (0.0, 32768.0),
+    }
     samples = npu_smi.samples([chip], {})
     assert by_name(samples, "npu_chip_info_total_memory") == {"0": 15079.0}
     assert by_name(samples, "npu_chip_info_hbm_total_memory") == {"0": 32768.0}
@@ -66,8 +72,10 @@ def test_card_in_error_is_unhealthy_and_reports_no_made_up_values():
     bad = chips[1]
     assert bad.health == "Critical" and bad.temp_c is None and bad.aicore_pct is None
     assert "HBM" not in bad.usage_mb
-    fields = {("0", "0"): npu_smi.parse_fields(fixture("health_ok")),
-              ("1", "0"): npu_smi.parse_fields(fixture("health_error"))}
+    fields = {
+        ("0", "0"): npu_smi.parse_fields(fixture("health_ok")),
+        ("1", "0"): npu_smi.parse_fields(fixture("health_error")),
+    }
     samples = npu_smi.samples(chips, fields)
     assert by_name(samples, "npu_chip_info_health_status") == {"0": 1.0, "1": 0.0}
     assert by_name(samples, "npu_chip_info_error_code") == {"0": 0.0, "1": float(0x80E18005)}
@@ -77,12 +85,17 @@ def test_card_in_error_is_unhealthy_and_reports_no_made_up_values():
 def test_a_chip_row_without_its_own_npu_row_keeps_the_cards():
     # tolerance, not a recorded layout: the 910B3 sample with a second chip row under card 0
     lines = fixture("info_910b3").splitlines()
-    second = lines[7].replace("| 0                         | 0000:C1:00.0  | 87 ",
-                              "| 1                         | 0000:C1:01.0  | 33 ")
+    second = lines[7].replace(
+        "| 0                         | 0000:C1:00.0  | 87 ",
+        "| 1                         | 0000:C1:01.0  | 33 ",
+    )
     assert second != lines[7]
     chips = npu_smi.parse_info("\n".join(lines[:8] + [second] + lines[8:]))
     assert [(c.npu, c.chip, c.aicore_pct) for c in chips] == [
-        ("0", "0", 87.0), ("0", "1", 33.0), ("1", "0", 12.0)]
+        ("0", "0", 87.0),
+        ("0", "1", 33.0),
+        ("1", "0", 12.0),
+    ]
     assert chips[1].temp_c == 52.0 and chips[1].name == "910B3"
     assert {s.labels["device"] for s in npu_smi.samples(chips, {})} == {"0", "0-1", "1"}
 
@@ -99,19 +112,27 @@ def test_source_runs_npu_smi_for_the_table_and_each_chip(tmp_path):
     # A shell script that prints the samples in npu-smi's place, recording its arguments.
     log = tmp_path / "calls"
     script = tmp_path / "npu-smi"
-    script.write_text("#!/bin/sh\n"
-                      f'echo "$*" >> {log}\n'
-                      f'case "$*" in *usages*) cat {FIXTURES}/usages_910b3.txt;;\n'
-                      f'  *health*) cat {FIXTURES}/health_ok.txt;;\n'
-                      f'  *) cat {FIXTURES}/info_910b3.txt;; esac\n')
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {log}\n'
+        f'case "$*" in *usages*) cat {FIXTURES}/usages_910b3.txt;;\n'
+        f"  *health*) cat {FIXTURES}/health_ok.txt;;\n"
+        f"  *) cat {FIXTURES}/info_910b3.txt;; esac\n"
+    )
     script.chmod(0o755)
     samples = npu_smi.NpuSmiSource(str(script)).read()
     assert log.read_text().splitlines() == [
-        "info", "info -t usages -i 0 -c 0", "info -t health -i 0 -c 0",
-        "info -t usages -i 1 -c 0", "info -t health -i 1 -c 0"]
+        "info",
+        "info -t usages -i 0 -c 0",
+        "info -t health -i 0 -c 0",
+        "info -t usages -i 1 -c 0",
+        "info -t health -i 1 -c 0",
+    ]
     assert by_name(samples, "npu_chip_info_hbm_bandwidth_utilization") == {"0": 64.0, "1": 64.0}
-    assert {s.name for s in samples} == set(npu_smi.METRICS) - {"npu_chip_info_used_memory",
-                                                                "npu_chip_info_total_memory"}
+    assert {s.name for s in samples} == set(npu_smi.METRICS) - {
+        "npu_chip_info_used_memory",
+        "npu_chip_info_total_memory",
+    }
 
 
 def test_source_raises_when_npu_smi_fails(tmp_path):
@@ -124,9 +145,11 @@ def test_source_raises_when_npu_smi_fails(tmp_path):
 
 # -- NVML (stand-in) ---------------------------------------------------------------------------
 
+
 def test_nvml_gauges_in_dcgm_names():
-    fake = StandinNvml([StandinGpu(), StandinGpu(uuid="GPU-standin-1", temp_c=91, util_gpu=5,
-                                                 ecc_uncorrected=3)])
+    fake = StandinNvml(
+        [StandinGpu(), StandinGpu(uuid="GPU-standin-1", temp_c=91, util_gpu=5, ecc_uncorrected=3)]
+    )
     samples = nvml.NvmlSource(fake).read()
     assert fake.initialised
     assert by_name(samples, "DCGM_FI_DEV_GPU_TEMP") == {"0": 45.0, "1": 91.0}
@@ -141,8 +164,9 @@ def test_nvml_gauges_in_dcgm_names():
 
 
 def test_nvml_unsupported_queries_are_left_out_not_zero():
-    fake = StandinNvml([StandinGpu(temp_c=None, power_mw=None, ecc_uncorrected=None)],
-                       events_supported=False)
+    fake = StandinNvml(
+        [StandinGpu(temp_c=None, power_mw=None, ecc_uncorrected=None)], events_supported=False
+    )
     names = {s.name for s in nvml.NvmlSource(fake).read()}
     assert "DCGM_FI_DEV_GPU_TEMP" not in names and "DCGM_FI_DEV_POWER_USAGE" not in names
     assert "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" not in names and "DCGM_FI_DEV_FB_USED" in names
@@ -165,8 +189,13 @@ STAT_2 = "cpu  250 0 150 800 100 0 0 0 0 0\ncpu0 125 0 75 400 50 0 0 0 0 0\n"
 
 def test_host_parsers():
     assert host.parse_proc_stat(STAT_1) == (200.0, 1000.0)
-    assert host.parse_pressure("some avg10=12.50 avg60=3.00 avg300=1.00 total=99\n"
-                               "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n") == 0.125
+    assert (
+        host.parse_pressure(
+            "some avg10=12.50 avg60=3.00 avg300=1.00 total=99\n"
+            "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+        )
+        == 0.125
+    )
     assert host.parse_pressure("") is None
     mem = host.parse_meminfo("MemTotal:  2048 kB\nMemAvailable:   1024 kB\nHugePages_Total: 0\n")
     assert mem == {"MemTotal": 2 << 20, "MemAvailable": 1 << 20, "HugePages_Total": 0}
@@ -196,6 +225,7 @@ def test_host_source_on_this_machine_reads_real_proc():
 
 # -- collector ---------------------------------------------------------------------------------
 
+
 class BlockingSource:
     """Returns one reading, then blocks inside read() until released."""
 
@@ -208,8 +238,14 @@ class BlockingSource:
         if self.calls > 1:
             self.entered.set()
             self.release.wait()
-        return [Sample("npu_chip_info_temperature", "t", 40.0 + self.calls,
-                       {"device": "0", "model": "910B3"})]
+        return [
+            Sample(
+                "npu_chip_info_temperature",
+                "t",
+                40.0 + self.calls,
+                {"device": "0", "model": "910B3"},
+            )
+        ]
 
 
 def test_scrape_serves_the_last_reading_while_a_read_is_stuck():
@@ -231,6 +267,7 @@ def test_a_failing_source_drops_its_gauges_and_spares_the_others():
     class Broken:
         def read(self):
             raise OSError("npu-smi: not found")
+
     collector = DeviceCollector([Broken(), host.HostSource()])
     collector.refresh()
     names = {f.name for f in collector.collect()}

@@ -34,7 +34,7 @@ def stream(encoding: str, x: np.ndarray, seed: int | None = 0, rate: int = 0):
     rng = np.random.default_rng(seed) if seed is not None else None
     while i < len(x):
         n = len(x) if rng is None else int(rng.integers(50, 3000))
-        chunks.append(x[i:i + n])
+        chunks.append(x[i : i + n])
         i += n
     early = [p for c in chunks for p in out.push(c)]
     return early, out.finish(), out
@@ -48,32 +48,66 @@ def reference(x: np.ndarray, rate: int) -> np.ndarray:
 
 def ffmpeg_decode(blob: bytes, encoding: str, rate: int) -> np.ndarray:
     fmt = ["-f", FFMPEG_RAW[encoding], "-ar", str(rate)] if encoding in FFMPEG_RAW else []
-    r = subprocess.run(["ffmpeg", "-v", "error", *fmt, "-i", "pipe:0", "-f", "f32le", "-ac", "1",
-                        "-ar", str(rate), "pipe:1"], input=blob, capture_output=True, timeout=60)
+    r = subprocess.run(
+        [
+            "ffmpeg",
+            "-v",
+            "error",
+            *fmt,
+            "-i",
+            "pipe:0",
+            "-f",
+            "f32le",
+            "-ac",
+            "1",
+            "-ar",
+            str(rate),
+            "pipe:1",
+        ],
+        input=blob,
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr.decode()
     return np.frombuffer(r.stdout, "<f4")
 
 
 def soundfile_decode(blob: bytes, encoding: str, rate: int) -> tuple[np.ndarray, int]:
     if encoding in FFMPEG_RAW:
-        return soundfile.read(io.BytesIO(blob), samplerate=rate, channels=1, format="RAW",
-                              subtype={"MULAW": "ULAW", "ALAW": "ALAW"}[encoding],
-                              dtype="float32")
+        return soundfile.read(
+            io.BytesIO(blob),
+            samplerate=rate,
+            channels=1,
+            format="RAW",
+            subtype={"MULAW": "ULAW", "ALAW": "ALAW"}[encoding],
+            dtype="float32",
+        )
     return soundfile.read(io.BytesIO(blob), dtype="float32")
 
 
 def aligned_snr_db(ref: np.ndarray, got: np.ndarray, max_lag: int = 4000) -> float:
     """SNR of `got` against `ref` after the best shift of at most `max_lag` samples (codec delay)."""
     n = len(ref) - 2 * max_lag
-    mid = ref[max_lag:max_lag + n]
-    best = max(range(min(2 * max_lag, len(got) - n) + 1),
-               key=lambda lag: float(np.dot(mid, got[lag:lag + n])))
-    err = mid - got[best:best + n]
-    return float(10 * np.log10(np.sum(mid ** 2) / max(np.sum(err ** 2), 1e-20)))
+    mid = ref[max_lag : max_lag + n]
+    best = max(
+        range(min(2 * max_lag, len(got) - n) + 1),
+        key=lambda lag: float(np.dot(mid, got[lag : lag + n])),
+    )
+    err = mid - got[best : best + n]
+    return float(10 * np.log10(np.sum(mid**2) / max(np.sum(err**2), 1e-20)))
 
 
-@pytest.mark.parametrize("encoding, rate", [("MP3", 22050), ("OGG_OPUS", 24000), ("FLAC", 22050),
-                                            ("AAC", 22050), ("MULAW", 8000), ("ALAW", 8000)])
+@pytest.mark.parametrize(
+    "encoding, rate",
+    [
+        ("MP3", 22050),
+        ("OGG_OPUS", 24000),
+        ("FLAC", 22050),
+        ("AAC", 22050),
+        ("MULAW", 8000),
+        ("ALAW", 8000),
+    ],
+)
 def test_stream_goes_out_as_it_is_coded(encoding, rate):
     x = speechlike(1.5, seed=1)
     early, final, out = stream(encoding, x)
@@ -153,9 +187,17 @@ def test_g711_rates_default_to_telephony_and_follow_a_request():
     assert AudioOutput(SR, "ALAW", 16000).output_rate == 16000
 
 
-@pytest.mark.parametrize("encoding, requested, used", [
-    ("MP3", 0, 22050), ("MP3", 8000, 8000), ("MP3", 10000, 11025), ("MP3", 46000, 48000),
-    ("AAC", 0, 22050), ("AAC", 30000, 32000)])
+@pytest.mark.parametrize(
+    "encoding, requested, used",
+    [
+        ("MP3", 0, 22050),
+        ("MP3", 8000, 8000),
+        ("MP3", 10000, 11025),
+        ("MP3", 46000, 48000),
+        ("AAC", 0, 22050),
+        ("AAC", 30000, 32000),
+    ],
+)
 def test_mpeg_rate_is_smallest_supported_not_below_request(encoding, requested, used):
     assert AudioOutput(SR, encoding, requested).output_rate == used
 

@@ -1,5 +1,6 @@
 """The engine end to end on tiny random models: greedy tokens equal HF `generate` through chunked
 prefill, batching, preemption and the prefix cache; sampling, stops, aborts and sizing."""
+
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -43,16 +44,27 @@ class Tiny:
         if key not in self.refs:
             ids = torch.tensor([prompt])
             with torch.no_grad():  # an explicit mask: HF would treat ids equal to pad as padding
-                out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=n, pad_token_id=0,
-                                       use_cache=self.kind != "all_linear")
-            self.refs[key] = out[0, len(prompt):].tolist()
+                out = self.hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=n,
+                    pad_token_id=0,
+                    use_cache=self.kind != "all_linear",
+                )
+            self.refs[key] = out[0, len(prompt) :].tolist()
             assert len(self.refs[key]) == n
         return self.refs[key]
 
     def engine(self, **kwargs) -> LLMEngine:
-        args = dict(model=str(self.path), device="cpu", kv_cache_memory_bytes=1 << 24,
-                    max_num_seqs=8, max_num_batched_tokens=256, num_snapshot_slots=16)
+        args = dict(
+            model=str(self.path),
+            device="cpu",
+            kv_cache_memory_bytes=1 << 24,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            num_snapshot_slots=16,
+        )
         return LLMEngine(EngineArgs(**{**args, **kwargs}))
 
 
@@ -128,17 +140,22 @@ def test_chunked_prefill_matches_hf_greedy(tiny):
 def test_batched_sequences_of_different_lengths_match_hf_greedy(tiny):
     # the late request is prefilled in chunks next to the others' decodes
     engine = tiny.engine(max_num_batched_tokens=16, max_num_seqs=4)
-    got = run(engine, [("a", PROMPT_A, GREEDY), ("b", PROMPT_B, GREEDY)],
-              late=[("c", PROMPT_C, GREEDY)])
-    assert got == {"a": tiny.greedy(PROMPT_A), "b": tiny.greedy(PROMPT_B),
-                   "c": tiny.greedy(PROMPT_C)}
+    got = run(
+        engine, [("a", PROMPT_A, GREEDY), ("b", PROMPT_B, GREEDY)], late=[("c", PROMPT_C, GREEDY)]
+    )
+    assert got == {
+        "a": tiny.greedy(PROMPT_A),
+        "b": tiny.greedy(PROMPT_B),
+        "c": tiny.greedy(PROMPT_C),
+    }
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preempted_sequences_recompute_the_same_tokens(tiny, prefix_caching):
     # 3 requests need 21 + 18 + 26 blocks of 4 tokens; 32 blocks force preemption
-    engine = tiny.engine(block_size=4, num_kv_blocks=32, max_model_len=104,
-                         enable_prefix_caching=prefix_caching)
+    engine = tiny.engine(
+        block_size=4, num_kv_blocks=32, max_model_len=104, enable_prefix_caching=prefix_caching
+    )
     got = engine.generate([PROMPT_A, PROMPT_B, PROMPT_C], GREEDY)
     assert engine.stats()["num_preemptions"] > 0
     assert got == [tiny.greedy(PROMPT_A), tiny.greedy(PROMPT_B), tiny.greedy(PROMPT_C)]
@@ -219,8 +236,13 @@ def test_step_outputs_and_timings(dense):
     assert [o.new_token_ids[0] for o in outs] == dense.greedy(PROMPT_A)[:5]
     assert [o.finished for o in outs] == [False] * 4 + [True]
     assert all(o.seq is seq for o in outs) and seq.finish_reason == "length"
-    assert (seq.arrival_time <= seq.first_scheduled_time <= seq.prefill_done_time
-            <= seq.first_token_time <= seq.finished_time)
+    assert (
+        seq.arrival_time
+        <= seq.first_scheduled_time
+        <= seq.prefill_done_time
+        <= seq.first_token_time
+        <= seq.finished_time
+    )
 
 
 def test_invalid_requests_and_admission_cap(dense):
@@ -245,12 +267,16 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
     seeded = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
     alone = tiny.engine().generate([PROMPT_A], seeded)[0]
     noisy = SamplingParams(temperature=1.2, max_tokens=30)
-    batched = run(tiny.engine(max_num_batched_tokens=16, seed=3),
-                  [("n1", PROMPT_C, noisy), ("s", PROMPT_A, seeded)],
-                  late=[("n2", PROMPT_B, noisy)])
+    batched = run(
+        tiny.engine(max_num_batched_tokens=16, seed=3),
+        [("n1", PROMPT_C, noisy), ("s", PROMPT_A, seeded)],
+        late=[("n2", PROMPT_B, noisy)],
+    )
     assert batched["s"] == alone
-    other = tiny.engine().generate([PROMPT_A], SamplingParams(
-        temperature=1.0, top_k=50, seed=8, max_tokens=24, ignore_eos=True))[0]
+    other = tiny.engine().generate(
+        [PROMPT_A],
+        SamplingParams(temperature=1.0, top_k=50, seed=8, max_tokens=24, ignore_eos=True),
+    )[0]
     assert other != alone
     assert alone != tiny.greedy(PROMPT_A)[:24]
 
@@ -273,7 +299,7 @@ def test_stop_ids_and_max_tokens(tiny):
     short = engine.add_request("m", PROMPT_A, SamplingParams(temperature=0, max_tokens=7))
     while engine.has_unfinished_requests():
         engine.step()
-    assert seq.output_token_ids == ref[:i + 1]  # the stop id is the last token
+    assert seq.output_token_ids == ref[: i + 1]  # the stop id is the last token
     assert seq.finish_reason == "stop" and seq.stop_token_id == stop
     assert short.output_token_ids == ref[:7] and short.finish_reason == "length"
 
@@ -288,9 +314,13 @@ def test_eos_from_the_checkpoint_stops_unless_ignored(dense, tmp_path):
     assert engine.config.eos_token_ids == (eos, 255)
     assert engine.tokenizer is not None and engine.tokenizer.token_to_id("hello") == 1
     stopped, ignored = engine.generate(
-        [PROMPT_A, PROMPT_A], [SamplingParams(temperature=0, max_tokens=64),
-                               SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)])
-    assert stopped == ref[:ref.index(eos) + 1]
+        [PROMPT_A, PROMPT_A],
+        [
+            SamplingParams(temperature=0, max_tokens=64),
+            SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+        ],
+    )
+    assert stopped == ref[: ref.index(eos) + 1]
     assert ignored == ref
 
 
@@ -305,14 +335,36 @@ def _word_tokenizer(tmp_path: Path) -> Path:
 
 
 WIDE = {  # every projection holds >= 2^20 weights, so the CPU path packs it
-    "dense": ("qwen3", dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024,
-                            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
-                            head_dim=64, tie_word_embeddings=False)),
-    "hybrid": ("qwen3_5", dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024,
-                               layer_types=[LIN, "full_attention"], num_attention_heads=8,
-                               num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
-                               linear_num_value_heads=4, linear_key_head_dim=128,
-                               linear_value_head_dim=128, tie_word_embeddings=True)),
+    "dense": (
+        "qwen3",
+        dict(
+            vocab_size=1024,
+            hidden_size=1024,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "hybrid": (
+        "qwen3_5",
+        dict(
+            vocab_size=1024,
+            hidden_size=1024,
+            intermediate_size=1024,
+            layer_types=[LIN, "full_attention"],
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            linear_num_key_heads=4,
+            linear_num_value_heads=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -337,7 +389,9 @@ def test_cpu_projections_are_packed_once_and_match_hf(name, tmp_path):
     assert not model.model.embed_tokens.weight.is_mkldnn
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert run(engine, [(0, PROMPT_A, params), (1, PROMPT_C, params)]) == {
-        0: wide.greedy(PROMPT_A, 24), 1: wide.greedy(PROMPT_C, 24)}
+        0: wide.greedy(PROMPT_A, 24),
+        1: wide.greedy(PROMPT_C, 24),
+    }
 
 
 def test_cpu_runner_keeps_freed_heap_for_reuse():

@@ -89,9 +89,9 @@ def solo_run(prompt: list[int], sp: SamplingParams, hybrid: bool, max_model_len:
         t = next_token([(p, x) for p, x in enumerate(tokens)], state)
         tokens.append(t)
         if (t == EOS and not sp.ignore_eos) or t in sp.stop_token_ids:
-            return tokens[len(prompt):], "stop"
+            return tokens[len(prompt) :], "stop"
         if len(tokens) - len(prompt) >= sp.max_tokens or len(tokens) >= max_model_len:
-            return tokens[len(prompt):], "length"
+            return tokens[len(prompt) :], "length"
 
 
 def check_invariants(sched: Scheduler, out: SchedulerOutput | None = None) -> None:
@@ -165,14 +165,15 @@ def drive(cfg: EngineConfig, requests: list[dict], max_steps: int = 5000) -> Sch
         expected, reason = solo_run(r["prompt"], r["params"], cfg.is_hybrid, cfg.max_model_len)
         assert seq.is_finished
         if seq.finish_reason == "abort":
-            assert expected[:seq.num_output_tokens] == seq.output_token_ids
+            assert expected[: seq.num_output_tokens] == seq.output_token_ids
         else:
             assert (seq.output_token_ids, seq.finish_reason) == (expected, reason)
     return sched
 
 
-def random_requests(rng: random.Random, n: int, max_model_len: int, cancel_rate: float,
-                    horizon: int = 30) -> list[dict]:
+def random_requests(
+    rng: random.Random, n: int, max_model_len: int, cancel_rate: float, horizon: int = 30
+) -> list[dict]:
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
     reqs = []
     for _ in range(n):
@@ -181,11 +182,13 @@ def random_requests(rng: random.Random, n: int, max_model_len: int, cancel_rate:
         else:
             prompt = (rng.choice(prefixes) if rng.random() < 0.7 else [])[:]
             prompt += [rng.randrange(VOCAB) for _ in range(rng.randrange(0 if prompt else 1, 7))]
-            prompt = prompt[:max_model_len - 1]
+            prompt = prompt[: max_model_len - 1]
         params = SamplingParams(
-            temperature=0.0, max_tokens=rng.randrange(1, min(14, max_model_len - len(prompt)) + 1),
+            temperature=0.0,
+            max_tokens=rng.randrange(1, min(14, max_model_len - len(prompt)) + 1),
             ignore_eos=rng.random() < 0.5,
-            stop_token_ids=(rng.randrange(VOCAB),) if rng.random() < 0.3 else ())
+            stop_token_ids=(rng.randrange(VOCAB),) if rng.random() < 0.3 else (),
+        )
         arrive = rng.randrange(horizon)
         r = {"prompt": prompt, "params": params, "arrive": arrive}
         if rng.random() < cancel_rate:
@@ -194,27 +197,57 @@ def random_requests(rng: random.Random, n: int, max_model_len: int, cancel_rate:
     return reqs
 
 
-def make_config(hybrid: bool, prefix: bool, block_size: int, extra_blocks: int,
-                max_num_seqs: int, budget: int, num_state_slots: int, snapshots: int):
+def make_config(
+    hybrid: bool,
+    prefix: bool,
+    block_size: int,
+    extra_blocks: int,
+    max_num_seqs: int,
+    budget: int,
+    num_state_slots: int,
+    snapshots: int,
+):
     return EngineConfig(
-        vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN, block_size=block_size,
-        num_kv_blocks=MAX_MODEL_LEN // block_size + extra_blocks, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(budget, max_num_seqs), enable_prefix_caching=prefix,
-        is_hybrid=hybrid, num_state_slots=num_state_slots if hybrid else 0,
-        num_snapshot_slots=snapshots if hybrid else 0, eos_token_ids=(EOS,))
+        vocab_size=VOCAB,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=block_size,
+        num_kv_blocks=MAX_MODEL_LEN // block_size + extra_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(budget, max_num_seqs),
+        enable_prefix_caching=prefix,
+        is_hybrid=hybrid,
+        num_state_slots=num_state_slots if hybrid else 0,
+        num_snapshot_slots=snapshots if hybrid else 0,
+        eos_token_ids=(EOS,),
+    )
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32), block_size=st.sampled_from([2, 4]),
-       extra_blocks=st.integers(0, 6), max_num_seqs=st.integers(1, 5),
-       budget=st.integers(1, 20), slots=st.integers(1, 5), snapshots=st.integers(0, 4),
-       n=st.integers(1, 12))
-def test_random_load_matches_solo_runs(hybrid, prefix, seed, block_size, extra_blocks,
-                                       max_num_seqs, budget, slots, snapshots, n):
-    cfg = make_config(hybrid, prefix, block_size, extra_blocks, max_num_seqs, budget,
-                      min(slots, max_num_seqs), snapshots)
+@given(
+    seed=st.integers(0, 2**32),
+    block_size=st.sampled_from([2, 4]),
+    extra_blocks=st.integers(0, 6),
+    max_num_seqs=st.integers(1, 5),
+    budget=st.integers(1, 20),
+    slots=st.integers(1, 5),
+    snapshots=st.integers(0, 4),
+    n=st.integers(1, 12),
+)
+def test_random_load_matches_solo_runs(
+    hybrid, prefix, seed, block_size, extra_blocks, max_num_seqs, budget, slots, snapshots, n
+):
+    cfg = make_config(
+        hybrid,
+        prefix,
+        block_size,
+        extra_blocks,
+        max_num_seqs,
+        budget,
+        min(slots, max_num_seqs),
+        snapshots,
+    )
     rng = random.Random(seed)
     drive(cfg, random_requests(rng, n, cfg.max_model_len, cancel_rate=0.2))
 
@@ -241,11 +274,20 @@ def test_200_cancellations_free_everything(hybrid):
     reqs = []
     for _ in range(200):
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))]
-        params = SamplingParams(temperature=0.0, ignore_eos=True,
-                                max_tokens=rng.randrange(1, cfg.max_model_len - len(prompt) + 1))
+        params = SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            max_tokens=rng.randrange(1, cfg.max_model_len - len(prompt) + 1),
+        )
         arrive = rng.randrange(150)
-        reqs.append({"prompt": prompt, "params": params, "arrive": arrive,
-                     "cancel": arrive + rng.randrange(0, 10)})
+        reqs.append(
+            {
+                "prompt": prompt,
+                "params": params,
+                "arrive": arrive,
+                "cancel": arrive + rng.randrange(0, 10),
+            }
+        )
     sched = drive(cfg, reqs)
     kinds = {"waiting": 0, "prefill": 0, "decode": 0}
     for r in reqs:

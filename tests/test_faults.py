@@ -20,32 +20,65 @@ SAMPLES = MAX_TOKENS * 2 * 256
 
 @pytest.fixture(scope="module")
 def voice_dir(tmp_path_factory):
-    return speech_tokens_only(make_tts_voice(tmp_path_factory.mktemp("voices"), max_tokens=MAX_TOKENS,
-                                             lm_overrides={"max_position_embeddings": 4096}))
+    return speech_tokens_only(
+        make_tts_voice(
+            tmp_path_factory.mktemp("voices"),
+            max_tokens=MAX_TOKENS,
+            lm_overrides={"max_position_embeddings": 4096},
+        )
+    )
 
 
 def text_replica(voice_dir, name: str, port: int = 0) -> Process:
-    return start_service(name, "text_service", ["--model", str(voice_dir / "lm"), "--threads", "1",
-                                                "--max-stream-backlog", "16"],
-                         port=port, metrics_port=0)
+    return start_service(
+        name,
+        "text_service",
+        ["--model", str(voice_dir / "lm"), "--threads", "1", "--max-stream-backlog", "16"],
+        port=port,
+        metrics_port=0,
+    )
 
 
 def vocoder_replica(voice_dir, name: str, port: int = 0) -> Process:
-    return start_service(name, "vocoder_service", ["--voice", str(voice_dir), "--threads", "1",
-                                                   "--max-audio-ahead", "0.5"],
-                         port=port, metrics_port=0)
+    return start_service(
+        name,
+        "vocoder_service",
+        ["--voice", str(voice_dir), "--threads", "1", "--max-audio-ahead", "0.5"],
+        port=port,
+        metrics_port=0,
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(voice_dir):
-    procs = {"text-a": text_replica(voice_dir, "text-a"), "text-b": text_replica(voice_dir, "text-b"),
-             "voc-a": vocoder_replica(voice_dir, "voc-a"), "voc-b": vocoder_replica(voice_dir, "voc-b")}
+    procs = {
+        "text-a": text_replica(voice_dir, "text-a"),
+        "text-b": text_replica(voice_dir, "text-b"),
+        "voc-a": vocoder_replica(voice_dir, "voc-a"),
+        "voc-b": vocoder_replica(voice_dir, "voc-b"),
+    }
     procs["orch"] = start_service(
-        "orchestrator", "orchestrator",
-        ["--voice", str(voice_dir), "--text-service", procs["text-a"].address,
-         "--text-service", procs["text-b"].address, "--vocoder-service", procs["voc-a"].address,
-         "--vocoder-service", procs["voc-b"].address, "--health-interval", "0.5",
-         "--max-audio-ahead", "1.0", "--http-port", "-1"])
+        "orchestrator",
+        "orchestrator",
+        [
+            "--voice",
+            str(voice_dir),
+            "--text-service",
+            procs["text-a"].address,
+            "--text-service",
+            procs["text-b"].address,
+            "--vocoder-service",
+            procs["voc-a"].address,
+            "--vocoder-service",
+            procs["voc-b"].address,
+            "--health-interval",
+            "0.5",
+            "--max-audio-ahead",
+            "1.0",
+            "--http-port",
+            "-1",
+        ],
+    )
     yield procs
     for p in procs.values():
         if p.proc.poll() is None:
@@ -71,7 +104,8 @@ class Call:
             # no BDP probing: the window stays at 64 KiB, so a paused call stays mid-stream
             with grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)]) as ch:
                 for resp in tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                        pb.SynthesizeRequest(text=text), timeout=240):
+                    pb.SynthesizeRequest(text=text), timeout=240
+                ):
                     if resp.HasField("audio"):
                         self.samples += len(resp.audio.audio) // 2
                     if resp.HasField("report"):
@@ -99,7 +133,9 @@ def one_call_each(cluster, gauge: str, names: tuple[str, str]) -> dict[str, Call
     for i in range(2):
         call = Call(orch, f"fault test call {i}")
         assert call.first.wait(120) and call.code == grpc.StatusCode.OK, call.details
-        assert wait_until(lambda: any(scrape(cluster[n], gauge) >= 1 for n in names if n not in calls))
+        assert wait_until(
+            lambda: any(scrape(cluster[n], gauge) >= 1 for n in names if n not in calls)
+        )
         busy = [n for n in names if n not in calls and scrape(cluster[n], gauge) >= 1]
         calls[busy[0]] = call
     return calls
@@ -126,14 +162,17 @@ def check_kill_and_recovery(cluster, voice_dir, kind: str, gauge: str, restart) 
         call = Call(cluster["orch"].address, "after the restart").finish()
         assert call.code == grpc.StatusCode.OK, call.details
         return call.hop(service) == cluster[a].address
+
     assert wait_until(served_by_restarted, timeout=60, interval=0.5)
 
 
 def test_text_replica_killed_mid_stream(cluster, voice_dir):
-    check_kill_and_recovery(cluster, voice_dir, "text", "splittts_text_num_requests_running",
-                            text_replica)
+    check_kill_and_recovery(
+        cluster, voice_dir, "text", "splittts_text_num_requests_running", text_replica
+    )
 
 
 def test_vocoder_replica_killed_mid_stream(cluster, voice_dir):
-    check_kill_and_recovery(cluster, voice_dir, "voc", "splittts_vocoder_active_streams",
-                            vocoder_replica)
+    check_kill_and_recovery(
+        cluster, voice_dir, "voc", "splittts_vocoder_active_streams", vocoder_replica
+    )

@@ -28,13 +28,21 @@ CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    voice_dir = speech_tokens_only(make_tts_voice(
-        tmp_path_factory.mktemp("voices"), max_tokens=MAX_TOKENS,
-        lm_overrides={"max_position_embeddings": 4096}))
-    local = LocalDeployment(voice_dir, threads={"text": 1, "vocoder": 1}, metrics_ports=(0, 0, 0),
-                            text_args=["--max-stream-backlog", str(BACKLOG)],
-                            vocoder_args=["--max-audio-ahead", str(VOCODER_AHEAD_S)],
-                            orchestrator_args=["--max-audio-ahead", str(AUDIO_AHEAD_S)])
+    voice_dir = speech_tokens_only(
+        make_tts_voice(
+            tmp_path_factory.mktemp("voices"),
+            max_tokens=MAX_TOKENS,
+            lm_overrides={"max_position_embeddings": 4096},
+        )
+    )
+    local = LocalDeployment(
+        voice_dir,
+        threads={"text": 1, "vocoder": 1},
+        metrics_ports=(0, 0, 0),
+        text_args=["--max-stream-backlog", str(BACKLOG)],
+        vocoder_args=["--max-audio-ahead", str(VOCODER_AHEAD_S)],
+        orchestrator_args=["--max-audio-ahead", str(AUDIO_AHEAD_S)],
+    )
     local.start()
     yield local
     local.stop()
@@ -69,7 +77,8 @@ class PausedCall:
         try:
             with grpc.insecure_channel(address, options=CLIENT_OPTIONS) as ch:
                 self._call = tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                    pb.SynthesizeRequest(text=text), timeout=300)
+                    pb.SynthesizeRequest(text=text), timeout=300
+                )
                 for resp in self._call:
                     if resp.HasField("audio"):
                         self.samples += len(resp.audio.audio) // 2
@@ -94,7 +103,9 @@ class PausedCall:
 def generated_tokens(text_proc, prompt_len: int) -> int:
     """Tokens in the text service's KV cache beyond the prompt, to within one block."""
     with grpc.insecure_channel(text_proc.address) as ch:
-        info = text_pb2_grpc.TextGenerationStub(ch).GetModelInfo(text_pb2.GetModelInfoRequest(), timeout=10)
+        info = text_pb2_grpc.TextGenerationStub(ch).GetModelInfo(
+            text_pb2.GetModelInfoRequest(), timeout=10
+        )
     return info.num_used_blocks * info.block_size - prompt_len
 
 
@@ -124,8 +135,9 @@ def test_memory_and_buffers_stay_flat_with_several_paused_readers(deployment):
     calls = [PausedCall(deployment.address, f"paused reader {i}") for i in range(4)]
     for call in calls:
         assert call.first.wait(120) and call.error is None
-    assert wait_until(lambda: scrape(text_proc, "splittts_text_num_requests_paused") == len(calls),
-                      timeout=120)
+    assert wait_until(
+        lambda: scrape(text_proc, "splittts_text_num_requests_paused") == len(calls), timeout=120
+    )
     ahead_s = scrape(vocoder_proc, "splittts_vocoder_audio_ahead_seconds")
     assert ahead_s <= len(calls) * (VOCODER_AHEAD_S + 128 * 256 / RATE)
     held = {p.name: rss_bytes(p.proc.pid) for p in procs}
@@ -136,7 +148,13 @@ def test_memory_and_buffers_stay_flat_with_several_paused_readers(deployment):
         call.cancel()
     for call in calls:
         call.join()
-    assert wait_until(lambda: scrape(text_proc, "splittts_text_num_requests_running") == 0
-                      and scrape(text_proc, "splittts_text_num_requests_paused") == 0
-                      and scrape(vocoder_proc, "splittts_vocoder_active_streams") == 0)
-    assert scrape(vocoder_proc, "splittts_vocoder_audio_ahead_seconds") == pytest.approx(0, abs=1e-6)
+    assert wait_until(
+        lambda: (
+            scrape(text_proc, "splittts_text_num_requests_running") == 0
+            and scrape(text_proc, "splittts_text_num_requests_paused") == 0
+            and scrape(vocoder_proc, "splittts_vocoder_active_streams") == 0
+        )
+    )
+    assert scrape(vocoder_proc, "splittts_vocoder_audio_ahead_seconds") == pytest.approx(
+        0, abs=1e-6
+    )

@@ -20,7 +20,8 @@ def test_generated_contract_is_current(tmp_path):
         if path.suffix in (".py", ".pyi") and path.name != "__init__.py":
             installed = ROOT / path.relative_to(tmp_path)
             assert installed.read_text() == path.read_text(), (
-                f"{installed} is stale: run `make protos`")
+                f"{installed} is stale: run `make protos`"
+            )
 
 
 def test_contract_names_match_design():
@@ -38,8 +39,18 @@ def test_contract_names_match_design():
     assert voc.methods_by_name["Vocode"].client_streaming
     assert voc.methods_by_name["Vocode"].server_streaming
     fields = set(tts_pb2.LatencyReport.DESCRIPTOR.fields_by_name)
-    assert {"ttft_ms", "ttfa_ms", "queue_ms", "prefill_ms", "decode_ms", "vocoder_compute_ms",
-            "hops", "rtf", "underruns", "audio_s"} <= fields
+    assert {
+        "ttft_ms",
+        "ttfa_ms",
+        "queue_ms",
+        "prefill_ms",
+        "decode_ms",
+        "vocoder_compute_ms",
+        "hops",
+        "rtf",
+        "underruns",
+        "audio_s",
+    } <= fields
     assert set(tts_pb2.AudioEncoding.keys()) >= {"LINEAR16", "WAV", "FLAC", "OGG_OPUS"}
 
 
@@ -49,23 +60,36 @@ def test_every_proto_field_is_commented():
         lines = proto.read_text().splitlines()
         for i, line in enumerate(lines):
             s = line.strip()
-            is_field = s.endswith(";") and "=" in s and not s.startswith(("syntax", "package", "option"))
+            is_field = (
+                s.endswith(";") and "=" in s and not s.startswith(("syntax", "package", "option"))
+            )
             is_rpc = s.startswith("rpc ")
             if not (is_field or is_rpc) or "_UNSPECIFIED" in s:
                 continue
             j = i - 1
-            while j >= 0 and lines[j].strip().startswith("//") is False and (
-                    lines[j].strip().endswith(";") and "=" in lines[j]):
+            while (
+                j >= 0
+                and lines[j].strip().startswith("//") is False
+                and (lines[j].strip().endswith(";") and "=" in lines[j])
+            ):
                 j -= 1  # a run of sibling fields may share one comment
             assert j >= 0 and lines[j].strip().startswith("//"), f"{proto.name}:{i + 1} {s}"
 
 
 def test_hf_kernels_probe_stays_false():
     """Our top-level `kernels` package must not be mistaken for Hugging Face's `kernels`."""
-    out = subprocess.run([sys.executable, "-c",
-                          "from transformers.utils.import_utils import is_kernels_available;"
-                          "print(is_kernels_available())"], capture_output=True, text=True,
-                         cwd="/", check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from transformers.utils.import_utils import is_kernels_available;"
+            "print(is_kernels_available())",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        check=True,
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -90,8 +114,11 @@ def test_select_device():
 
 def test_torch_npu_guard_without_cann():
     """With auto-loading off, torch imports even where torch_npu cannot load; auto picks cpu."""
-    code = ("import servicekit.device as d, os; print(os.environ['TORCH_DEVICE_BACKEND_AUTOLOAD'],"
-            " d.npu_available())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, check=True)
+    code = (
+        "import servicekit.device as d, os; print(os.environ['TORCH_DEVICE_BACKEND_AUTOLOAD'],"
+        " d.npu_available())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     assert out.stdout.split() == ["0", "False"]

@@ -20,8 +20,9 @@ from orchestrator.frontend.g2p import EspeakG2P, G2PError, PassthroughG2P, build
 from orchestrator.frontend.normalize_en import cardinal, normalize_en, ordinal, year
 from orchestrator.frontend.normalize_zh import cardinal_zh, normalize_zh
 
-needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None,
-                                  reason="espeak-ng missing (make test installs it)")
+needs_espeak = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None, reason="espeak-ng missing (make test installs it)"
+)
 
 # --- English ---------------------------------------------------------------------------------
 EN_CASES = [
@@ -34,8 +35,10 @@ EN_CASES = [
     ("It fell to -42 today", "It fell to minus forty-two today"),
     ("10 - 3", "ten minus three"),
     # ordinals
-    ("the 1st, 2nd, 3rd, 11th, 22nd and 101st", "the first, second, third, eleventh, "
-     "twenty-second and one hundred first"),
+    (
+        "the 1st, 2nd, 3rd, 11th, 22nd and 101st",
+        "the first, second, third, eleventh, twenty-second and one hundred first",
+    ),
     # years and decades
     ("In 1999 we met.", "In nineteen ninety-nine we met."),
     ("in 2005 and in 2010", "in two thousand five and in twenty ten"),
@@ -108,32 +111,60 @@ def test_normalize_en(text, expected):
     assert normalize_en(text) == expected
 
 
-@pytest.mark.parametrize("n,words", [
-    (0, "zero"), (13, "thirteen"), (40, "forty"), (99, "ninety-nine"), (105, "one hundred five"),
-    (1000, "one thousand"), (12345, "twelve thousand three hundred forty-five"),
-    (10 ** 6, "one million"), (2 * 10 ** 9 + 1, "two billion one"), (-7, "minus seven")])
+@pytest.mark.parametrize(
+    "n,words",
+    [
+        (0, "zero"),
+        (13, "thirteen"),
+        (40, "forty"),
+        (99, "ninety-nine"),
+        (105, "one hundred five"),
+        (1000, "one thousand"),
+        (12345, "twelve thousand three hundred forty-five"),
+        (10**6, "one million"),
+        (2 * 10**9 + 1, "two billion one"),
+        (-7, "minus seven"),
+    ],
+)
 def test_cardinal(n, words):
     assert cardinal(n) == words
 
 
-@pytest.mark.parametrize("n,words", [(1, "first"), (2, "second"), (5, "fifth"), (12, "twelfth"),
-                                     (20, "twentieth"), (43, "forty-third"),
-                                     (100, "one hundredth")])
+@pytest.mark.parametrize(
+    "n,words",
+    [
+        (1, "first"),
+        (2, "second"),
+        (5, "fifth"),
+        (12, "twelfth"),
+        (20, "twentieth"),
+        (43, "forty-third"),
+        (100, "one hundredth"),
+    ],
+)
 def test_ordinal(n, words):
     assert ordinal(n) == words
 
 
-@pytest.mark.parametrize("n,words", [(1999, "nineteen ninety-nine"), (2005, "two thousand five"),
-                                     (2000, "two thousand"), (2010, "twenty ten"),
-                                     (1905, "nineteen oh five"), (1800, "eighteen hundred")])
+@pytest.mark.parametrize(
+    "n,words",
+    [
+        (1999, "nineteen ninety-nine"),
+        (2005, "two thousand five"),
+        (2000, "two thousand"),
+        (2010, "twenty ten"),
+        (1905, "nineteen oh five"),
+        (1800, "eighteen hundred"),
+    ],
+)
 def test_year(n, words):
     assert year(n) == words
 
 
 _NUMBERISH = st.one_of(
-    st.integers(-10 ** 12, 10 ** 12).map(str),
+    st.integers(-(10**12), 10**12).map(str),
     st.floats(0, 1e6, allow_nan=False).map(lambda f: f"{f:.2f}"),
-    st.integers(0, 10 ** 6).map(lambda n: f"${n:,}"),
+    st.integers(0, 10**6).map(lambda n: f"${n:,}"),
     st.integers(0, 999).map(lambda n: f"{n}%"),
     st.integers(1, 99).map(lambda n: f"{n}th"),
     st.integers(0, 23).map(lambda h: f"{h}:{h * 2 % 60:02d}"),
@@ -219,11 +250,27 @@ def test_normalize_zh_phone_yao():
     assert normalize_zh("电话110", yao=True) == "电话一百一十"  # not phone-shaped: a number
 
 
-@pytest.mark.parametrize("n,said", [
-    (0, "零"), (2, "二"), (10, "十"), (12, "十二"), (20, "二十"), (101, "一百零一"),
-    (110, "一百一十"), (200, "两百"), (1001, "一千零一"), (1010, "一千零一十"), (2000, "两千"),
-    (2200, "两千二百"), (10001, "一万零一"), (20000, "两万"), (1000010, "一百万零一十"),
-    (120000000, "一亿二千万")])
+@pytest.mark.parametrize(
+    "n,said",
+    [
+        (0, "零"),
+        (2, "二"),
+        (10, "十"),
+        (12, "十二"),
+        (20, "二十"),
+        (101, "一百零一"),
+        (110, "一百一十"),
+        (200, "两百"),
+        (1001, "一千零一"),
+        (1010, "一千零一十"),
+        (2000, "两千"),
+        (2200, "两千二百"),
+        (10001, "一万零一"),
+        (20000, "两万"),
+        (1000010, "一百万零一十"),
+        (120000000, "一亿二千万"),
+    ],
+)
 def test_cardinal_zh(n, said):
     assert cardinal_zh(n) == said
 
@@ -235,8 +282,10 @@ def test_normalize_zh_leaves_no_digits(parts):
     assert not re.search(r"\d", out), out
 
 
-@pytest.mark.parametrize("text,lang", [("Hello", "en"), ("你好 world", "cmn"), ("", "en"),
-                                       ("123", "en"), ("東京", "cmn")])
+@pytest.mark.parametrize(
+    "text,lang",
+    [("Hello", "en"), ("你好 world", "cmn"), ("", "en"), ("123", "en"), ("東京", "cmn")],
+)
 def test_detect_language(text, lang):
     assert detect_language(text) == lang
 
@@ -256,13 +305,16 @@ def espeak_cmn():
     g2p.close()
 
 
-@pytest.mark.parametrize("text,pinyin", [
-    ("中国", "zhong1 guo2"),
-    ("银行", "yin2 hang2"),
-    ("行走", "xing2 zou3"),
-    ("我的", "wo3 de5"),
-    ("我喜欢Python，好。", "wo3 xi3 huan1 Python, hao3."),
-])
+@pytest.mark.parametrize(
+    "text,pinyin",
+    [
+        ("中国", "zhong1 guo2"),
+        ("银行", "yin2 hang2"),
+        ("行走", "xing2 zou3"),
+        ("我的", "wo3 de5"),
+        ("我喜欢Python，好。", "wo3 xi3 huan1 Python, hao3."),
+    ],
+)
 def test_to_pinyin(text, pinyin):
     assert to_pinyin(text) == pinyin
 
@@ -284,18 +336,26 @@ def test_espeak_mandarin_via_pinyin(espeak_cmn):
 
 
 def _espeak_cli(line: str, voice: str) -> str:
-    out = subprocess.run(["espeak-ng", "-q", "-x", "-b", "1", "-v", voice], input=line.encode(),
-                         capture_output=True, check=True).stdout.decode()
+    out = subprocess.run(
+        ["espeak-ng", "-q", "-x", "-b", "1", "-v", voice],
+        input=line.encode(),
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return " ".join(x.strip() for x in out.splitlines() if x.strip())
 
 
 @needs_espeak
 def test_espeak_tricky_inputs_leave_later_answers_alone(espeak_en, espeak_cmn):
     """Inputs that make espeak-ng print blank lines or nothing must not disturb later answers."""
-    for g2p, tricky, plain in [(espeak_en, ["...", "- - -", "Hello ... world", "😀", "zqxjk"],
-                                ["Good morning", "What a day"]),
-                               (espeak_cmn, ["ni3 hao3 ... , .", "……", "。。。"],
-                                ["早上好", "今天天气很好"])]:
+    for g2p, tricky, plain in [
+        (
+            espeak_en,
+            ["...", "- - -", "Hello ... world", "😀", "zqxjk"],
+            ["Good morning", "What a day"],
+        ),
+        (espeak_cmn, ["ni3 hao3 ... , .", "……", "。。。"], ["早上好", "今天天气很好"]),
+    ]:
         for text in tricky:
             g2p._line.cache_clear()
             g2p(text)
@@ -315,8 +375,10 @@ def test_espeak_long_text_is_chunked(espeak_en):
 def test_espeak_keep_punctuation():
     g2p = EspeakG2P("en-us", keep_punctuation=True)
     try:
-        assert g2p("Hello world, this is a test; ok? Yes.") == \
-            "h@l'oU w'3:ld, DIs Iz a# t'Est; ,oUk'eI? j'Es."
+        assert (
+            g2p("Hello world, this is a test; ok? Yes.")
+            == "h@l'oU w'3:ld, DIs Iz a# t'Est; ,oUk'eI? j'Es."
+        )
     finally:
         g2p.close()
 
@@ -347,8 +409,12 @@ def test_build_g2p():
 # --- FrontEnd --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def frontend():
-    fe = FrontEnd({"en-US": {"g2p": "espeak-ng", "espeak_voice": "en-us"},
-                   "cmn-CN": {"g2p": "espeak-ng", "espeak_voice": "cmn-latn-pinyin"}})
+    fe = FrontEnd(
+        {
+            "en-US": {"g2p": "espeak-ng", "espeak_voice": "en-us"},
+            "cmn-CN": {"g2p": "espeak-ng", "espeak_voice": "cmn-latn-pinyin"},
+        }
+    )
     yield fe
     fe.close()
 
@@ -365,8 +431,10 @@ def test_frontend_english(frontend):
 @needs_espeak
 def test_frontend_mandarin_and_detection(frontend):
     segs = frontend.process("价格是¥5。Plain English 2 here.", "")
-    assert [(s.text, s.language) for s in segs] == [("价格是¥5。", "cmn-CN"),
-                                                    ("Plain English 2 here.", "en-US")]
+    assert [(s.text, s.language) for s in segs] == [
+        ("价格是¥5。", "cmn-CN"),
+        ("Plain English 2 here.", "en-US"),
+    ]
     assert segs[0].normalized == "价格是五元。"
     assert "w'u21_|" in segs[0].model_input  # 五 wu3
     assert segs[1].model_input == "pl'eIn 'INglIS t'u: h'i@3"
@@ -378,33 +446,43 @@ def test_frontend_characters_and_unconfigured_language():
     assert fe.languages == ("en-US",)
     assert fe.process("I have 2 cats. 你好3个", "en-US") == [
         Segment("I have 2 cats.", "I have two cats.", "I have two cats.", "en-US"),
-        Segment("你好3个", "你好 three 个", "你好 three 个", "en-US")]
+        Segment("你好3个", "你好 three 个", "你好 three 个", "en-US"),
+    ]
     # a language the manifest does not name: its normalisation, characters through
     assert fe.process("我有2个", "cmn-CN") == [Segment("我有2个", "我有两个", "我有两个", "cmn-CN")]
     assert fe.process("... !!", "en-US") == []  # nothing to say
-    assert FrontEnd({"en": {"g2p": "none", "normalize": False}}).process("2 cats", "en")[0] \
-        .model_input == "2 cats"
+    assert (
+        FrontEnd({"en": {"g2p": "none", "normalize": False}}).process("2 cats", "en")[0].model_input
+        == "2 cats"
+    )
     with pytest.raises(ValueError, match="must be an object"):
         FrontEnd({"en-US": "espeak-ng"})
 
 
 # --- segmentation ----------------------------------------------------------------------------
-@pytest.mark.parametrize("text,sentences", [
-    ("Hello world. This is a test! Is it? Yes.", ["Hello world.", "This is a test!", "Is it?",
-                                                  "Yes."]),
-    ("Dr. Smith met Mr. Jones at St. Paul's.", ["Dr. Smith met Mr. Jones at St. Paul's."]),
-    ("Pi is 3.14 today. Next.", ["Pi is 3.14 today.", "Next."]),
-    ("Use e.g. a fork. Or approx. five.", ["Use e.g. a fork.", "Or approx. five."]),
-    ("J. R. R. Tolkien wrote it. The U.S. Army left.", ["J. R. R. Tolkien wrote it.",
-                                                        "The U.S. Army left."]),
-    ("Wait... what? Really?! \"Yes.\" Fine.", ["Wait... what?", "Really?!", "\"Yes.\"", "Fine."]),
-    ("I did it. Then I left.", ["I did it.", "Then I left."]),
-    ("你好。今天天气很好！我们走吧？", ["你好。", "今天天气很好！", "我们走吧？"]),
-    ("他说：“好的。”然后走了。", ["他说：“好的。”", "然后走了。"]),
-    ("First para\n\nSecond para\nsame para", ["First para", "Second para\nsame para"]),
-    ("no terminator at the end", ["no terminator at the end"]),
-    ("  ", []),
-])
+@pytest.mark.parametrize(
+    "text,sentences",
+    [
+        (
+            "Hello world. This is a test! Is it? Yes.",
+            ["Hello world.", "This is a test!", "Is it?", "Yes."],
+        ),
+        ("Dr. Smith met Mr. Jones at St. Paul's.", ["Dr. Smith met Mr. Jones at St. Paul's."]),
+        ("Pi is 3.14 today. Next.", ["Pi is 3.14 today.", "Next."]),
+        ("Use e.g. a fork. Or approx. five.", ["Use e.g. a fork.", "Or approx. five."]),
+        (
+            "J. R. R. Tolkien wrote it. The U.S. Army left.",
+            ["J. R. R. Tolkien wrote it.", "The U.S. Army left."],
+        ),
+        ('Wait... what? Really?! "Yes." Fine.', ["Wait... what?", "Really?!", '"Yes."', "Fine."]),
+        ("I did it. Then I left.", ["I did it.", "Then I left."]),
+        ("你好。今天天气很好！我们走吧？", ["你好。", "今天天气很好！", "我们走吧？"]),
+        ("他说：“好的。”然后走了。", ["他说：“好的。”", "然后走了。"]),
+        ("First para\n\nSecond para\nsame para", ["First para", "Second para\nsame para"]),
+        ("no terminator at the end", ["no terminator at the end"]),
+        ("  ", []),
+    ],
+)
 def test_split_sentences(text, sentences):
     assert split_sentences(text, "en-US") == sentences
 
@@ -455,8 +533,9 @@ def test_streaming_waits_for_what_follows_a_full_stop():
 
 def test_streaming_clause_threshold():
     long_clause = "This first clause is comfortably over forty characters,"
-    emitted, rest = _stream(["Short, ", "clauses, ", "wait. ", long_clause, " then more"],
-                            min_clause_chars=40)
+    emitted, rest = _stream(
+        ["Short, ", "clauses, ", "wait. ", long_clause, " then more"], min_clause_chars=40
+    )
     assert emitted == [(2, "Short, clauses, wait."), (4, long_clause)]
     assert rest == ["then more"]
     # the same text with a higher threshold waits for the sentence end

@@ -22,14 +22,19 @@ from orchestrator.frontend.espeak_lib import EspeakLibrary
 from orchestrator.frontend.g2p import EspeakG2P
 from tests.test_normalize_corpus import EN_CORPUS, ZH_CORPUS
 
-pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None,
-                                reason="espeak-ng missing (make test installs it)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None, reason="espeak-ng missing (make test installs it)"
+)
 
 
 def _cli(line: str, voice: str) -> list[str]:
     """What today's bundle was made with: one `espeak-ng -q -x -b 1 -v VOICE` line in, lines out."""
-    out = subprocess.run(["espeak-ng", "-q", "-x", "-b", "1", "-v", voice],
-                         input=(line + "\n").encode(), capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["espeak-ng", "-q", "-x", "-b", "1", "-v", voice],
+        input=(line + "\n").encode(),
+        capture_output=True,
+        check=True,
+    ).stdout
     return [x.strip() for x in out.decode(errors="replace").splitlines() if x.strip()]
 
 
@@ -48,15 +53,19 @@ def _english_sentences() -> list[str]:
 def _mandarin_sentences() -> list[str]:
     """Varied Mandarin: the normaliser corpus and phrases from pypinyin's dictionary, in clauses."""
     from pypinyin.phrases_dict import phrases_dict
+
     phrases = sorted(p for p in phrases_dict if 2 <= len(p) <= 4)
-    phrases = phrases[::len(phrases) // 300][:300]
-    made = [f"{a}，{b}{c}。" if i % 2 else f"{a}{b}？{c}！"
-            for i, (a, b, c) in enumerate(zip(phrases[0::3], phrases[1::3], phrases[2::3]))]
+    phrases = phrases[:: len(phrases) // 300][:300]
+    made = [
+        f"{a}，{b}{c}。" if i % 2 else f"{a}{b}？{c}！"
+        for i, (a, b, c) in enumerate(zip(phrases[0::3], phrases[1::3], phrases[2::3]))
+    ]
     return [normalize_zh(text) for text, _ in ZH_CORPUS] + made[:100]
 
 
-@pytest.mark.parametrize("voice,sentences", [("en-us", _english_sentences()),
-                                             ("cmn-latn-pinyin", _mandarin_sentences())])
+@pytest.mark.parametrize(
+    "voice,sentences", [("en-us", _english_sentences()), ("cmn-latn-pinyin", _mandarin_sentences())]
+)
 def test_same_phonemes_as_the_cli(voice, sentences):
     """Byte for byte what the subprocess G2P printed, on whole sentences and line by line."""
     assert len(sentences) >= (300 if voice == "en-us" else 100)
@@ -111,8 +120,15 @@ def test_warmup_loads_pinyin_and_the_voices():
         "loaded = lambda: [m in sys.modules for m in ('pypinyin', 'cn2an')]\n"
         "before = loaded()\n"
         "fe.warmup()\n"
-        "print(json.dumps([before, loaded()]))\n")
+        "print(json.dumps([before, loaded()]))\n"
+    )
     root = pathlib.Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    ).stdout
     assert json.loads(out) == [[False, False], [True, True]]

@@ -19,12 +19,22 @@ from vocoder_service.checkpoint import (
 from vocoder_service.hifigan import Generator, HifiGanConfig, receptive_field_frames
 from vocoder_service.mel import MelSpectrogram, hz_to_mel, mel_filterbank, mel_to_hz
 
-V3_TINY = dict(resblock="2", upsample_rates=[8, 8, 4], upsample_kernel_sizes=[16, 16, 8],
-               upsample_initial_channel=32, resblock_kernel_sizes=[3, 5, 7],
-               resblock_dilation_sizes=[[1, 2], [2, 6], [3, 12]])
-V1_TINY = dict(resblock="1", upsample_rates=[8, 8, 2, 2], upsample_kernel_sizes=[16, 16, 4, 4],
-               upsample_initial_channel=32, resblock_kernel_sizes=[3, 7, 11],
-               resblock_dilation_sizes=[[1, 3, 5]] * 3)
+V3_TINY = dict(
+    resblock="2",
+    upsample_rates=[8, 8, 4],
+    upsample_kernel_sizes=[16, 16, 8],
+    upsample_initial_channel=32,
+    resblock_kernel_sizes=[3, 5, 7],
+    resblock_dilation_sizes=[[1, 2], [2, 6], [3, 12]],
+)
+V1_TINY = dict(
+    resblock="1",
+    upsample_rates=[8, 8, 2, 2],
+    upsample_kernel_sizes=[16, 16, 4, 4],
+    upsample_initial_channel=32,
+    resblock_kernel_sizes=[3, 7, 11],
+    resblock_dilation_sizes=[[1, 3, 5]] * 3,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,9 +78,12 @@ def test_receptive_field_is_exact(arch):
     generator = Generator(config).eval()
     mel = torch.randn(1, config.num_mels, 32, requires_grad=True)
     frame = 16
-    generator(mel)[0, 0, frame * config.hop_size:(frame + 1) * config.hop_size].sum().backward()
+    generator(mel)[0, 0, frame * config.hop_size : (frame + 1) * config.hop_size].sum().backward()
     touched = (mel.grad[0].abs().sum(0) > 0).nonzero().flatten()
-    assert receptive_field_frames(config) == (frame - touched.min().item(), touched.max().item() - frame)
+    assert receptive_field_frames(config) == (
+        frame - touched.min().item(),
+        touched.max().item() - frame,
+    )
     if arch is V1_TINY:
         assert resolve_checkpoint().config.receptive_field == config.receptive_field == (13, 13)
 
@@ -145,15 +158,25 @@ def test_slaney_mel_scale_and_filterbank():
     # Slaney normalisation: every triangle has unit area in Hz (wide filters are well sampled)
     area = fb.sum(1) * (22050 / 1024)
     np.testing.assert_allclose(area[40:], 1.0, rtol=0.03)
-    assert fb[:, 513 * 8000 // 11025 + 2:].max() == 0.0  # nothing above fmax
+    assert fb[:, 513 * 8000 // 11025 + 2 :].max() == 0.0  # nothing above fmax
 
 
 def _test_audio(tmp_path) -> np.ndarray:
     """Real speech from espeak-ng when installed, else a voiced harmonic signal."""
     if shutil.which("espeak-ng"):
         wav = tmp_path / "speech.wav"
-        subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(wav), "The quick brown fox jumps over "
-                        "the lazy dog."], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "espeak-ng",
+                "-v",
+                "en-us",
+                "-w",
+                str(wav),
+                "The quick brown fox jumps over the lazy dog.",
+            ],
+            check=True,
+            capture_output=True,
+        )
         audio, sr = sf.read(wav, dtype="float32")
         assert sr == 22050
         return audio
@@ -175,7 +198,7 @@ def test_mel_front_end_resynthesis_matches_input(tmp_path, universal):
         resynth = universal(mel)[0, 0].numpy()
     again = frontend(resynth)
     corr = np.corrcoef(mel.flatten(), again.flatten())[0, 1]
-    rms_ratio = np.sqrt(np.mean(resynth**2)) / np.sqrt(np.mean(audio[:len(resynth)] ** 2))
+    rms_ratio = np.sqrt(np.mean(resynth**2)) / np.sqrt(np.mean(audio[: len(resynth)] ** 2))
     # a front end off by a constant factor or missing Slaney normalisation gives L1 >= 1.4
     assert corr > 0.97
     assert (mel - again).abs().mean() < 0.7
@@ -216,14 +239,16 @@ def test_stateful_streaming_equals_offline(arch, chunks):
         offline = generator(mel)[0, 0]
         state, pieces, start = streamer.initial_state(), [], 0
         for i, n in enumerate(chunks):
-            audio, state = streamer(mel[:, :, None, start:start + n], state, i == len(chunks) - 1)
+            audio, state = streamer(mel[:, :, None, start : start + n], state, i == len(chunks) - 1)
             pieces.append(audio[0])
             start += n
     streamed = torch.cat(pieces)
     assert streamed.shape == offline.shape
     torch.testing.assert_close(streamed, offline, atol=1e-5, rtol=0)
     held_back = sum(chunks[:-1]) * config.hop_size - sum(p.numel() for p in pieces[:-1])
-    assert held_back > 0 or len(chunks) == 1  # non-final calls keep the samples that still lack right context
+    assert (
+        held_back > 0 or len(chunks) == 1
+    )  # non-final calls keep the samples that still lack right context
 
 
 def test_stateful_streaming_of_the_pretrained_generator(universal):

@@ -33,17 +33,24 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
     assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)
     # only the matmuls and the compiled kernels differ (tests/test_kernels_cpu_ext.py)
-    reference_parts = dict(linear=linear.linear, pack_linear_weight=linear.keep_weight,
-                           paged_attention=attention.paged_attention,
-                           paged_attention_decode=attention.paged_attention_decode,
-                           rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
-                           silu_and_mul=activation.silu_and_mul, rotary=rotary.rotary,
-                           causal_conv1d=conv.causal_conv1d,
-                           causal_conv1d_update=conv.causal_conv1d_update,
-                           chunk_gated_delta_rule=delta_rule.chunk_gated_delta_rule,
-                           recurrent_gated_delta_rule=delta_rule.recurrent_gated_delta_rule)
+    reference_parts = dict(
+        linear=linear.linear,
+        pack_linear_weight=linear.keep_weight,
+        paged_attention=attention.paged_attention,
+        paged_attention_decode=attention.paged_attention_decode,
+        rms_norm=norm.rms_norm,
+        add_rms_norm=norm.add_rms_norm,
+        silu_and_mul=activation.silu_and_mul,
+        rotary=rotary.rotary,
+        causal_conv1d=conv.causal_conv1d,
+        causal_conv1d_update=conv.causal_conv1d_update,
+        chunk_gated_delta_rule=delta_rule.chunk_gated_delta_rule,
+        recurrent_gated_delta_rule=delta_rule.recurrent_gated_delta_rule,
+    )
     assert dataclasses.replace(cpu, **reference_parts) == REFERENCE_OPS
-    assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (cpu_ext.build() is None)
+    assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (
+        cpu_ext.build() is None
+    )
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
     assert {f.name for f in dataclasses.fields(kernels.Ops)} == {
         "linear", "pack_linear_weight", "silu_and_mul", "rms_norm", "add_rms_norm", "gated_rms_norm",
@@ -60,8 +67,9 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
 # --- projections -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape,onednn", [((1, 256), False), ((37, 256), True), ((2, 20, 256), True),
-                                          ((0, 256), False)])
+@pytest.mark.parametrize(
+    "shape,onednn", [((1, 256), False), ((37, 256), True), ((2, 20, 256), True), ((0, 256), False)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_linear_matches_reference(shape, onednn, bias, monkeypatch) -> None:
     from kernels import linear
@@ -102,10 +110,15 @@ def test_packed_weights_match_and_small_ones_stay(rows) -> None:
     assert packed.is_mkldnn and packed.shape == w.shape
     x = torch.randn(rows, 1024)
     close(linear.onednn_linear(x, packed, b), linear.linear(x, w, b), tol=1e-4)
-    close(linear.onednn_linear(x.bfloat16(), linear.pack_weight(w.bfloat16())).float(),
-          linear.linear(x, w), tol=0.3)
+    close(
+        linear.onednn_linear(x.bfloat16(), linear.pack_weight(w.bfloat16())).float(),
+        linear.linear(x, w),
+        tol=0.3,
+    )
     small = torch.randn(64, 256)  # under ONEDNN_MIN_MACS even as a weight: F.linear keeps it
-    assert linear.pack_weight(small) is small and linear.pack_weight(w.double()).dtype == torch.float64
+    assert (
+        linear.pack_weight(small) is small and linear.pack_weight(w.double()).dtype == torch.float64
+    )
     assert linear.keep_weight(w) is w
 
 

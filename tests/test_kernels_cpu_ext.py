@@ -104,8 +104,9 @@ def test_decode_same_result_for_any_thread_count(threads) -> None:
         out = cpu_ext.paged_attention_decode(**batch, scale=0.2)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(out, attention.paged_attention_decode(**batch, scale=0.2),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out, attention.paged_attention_decode(**batch, scale=0.2), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_empty_batch() -> None:
@@ -116,8 +117,10 @@ def test_empty_batch() -> None:
 
 
 def test_other_dtypes_use_the_reference() -> None:
-    batch = {k: v.double() if v.is_floating_point() else v
-             for k, v in decode_batch([7, 20], 4, 2, 64, 16).items()}
+    batch = {
+        k: v.double() if v.is_floating_point() else v
+        for k, v in decode_batch([7, 20], 4, 2, 64, 16).items()
+    }
     out = cpu_ext.paged_attention_decode(**batch, scale=0.3)
     assert out.dtype == torch.float64
     assert torch.equal(out, attention.paged_attention_decode(**batch, scale=0.3))
@@ -138,7 +141,9 @@ def test_mixed_paged_attention_routes_single_tokens_to_the_compiled_decode(monke
     batch["query_start_loc"] = torch.tensor([0, 1, 5, 6, 7, 10], dtype=torch.int32)
     out = cpu_ext.paged_attention(**batch, scale=0.3)
     assert calls == [3]
-    torch.testing.assert_close(out, attention.paged_attention(**batch, scale=0.3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out, attention.paged_attention(**batch, scale=0.3), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_cpu_ops_use_the_compiled_decode() -> None:
@@ -175,18 +180,37 @@ BAD_INPUTS = {
     "k_cache_3d": ("k_cache", lambda t: t[0], ValueError, r"k_cache must be \[num_blocks"),
     "v_cache_shape": ("v_cache", lambda t: t[:, :8], ValueError, "v_cache shape"),
     "head_dim": ("q", lambda t: t[:, :, :32].contiguous(), ValueError, "head_dim 32 differs"),
-    "num_heads": ("q", lambda t: t[:, :7].contiguous(), ValueError, "num_heads 7 is not a multiple"),
+    "num_heads": (
+        "q",
+        lambda t: t[:, :7].contiguous(),
+        ValueError,
+        "num_heads 7 is not a multiple",
+    ),
     "seq_lens_shape": ("seq_lens", lambda t: t[:1], ValueError, r"seq_lens must be \[batch\]"),
     "block_tables_1d": ("block_tables", lambda t: t[0], ValueError, "block_tables must be"),
     "seq_len_zero": ("seq_lens", lambda t: int32(5, 0), ValueError, r"seq_lens\[1\] = 0"),
-    "seq_len_past_table": ("seq_lens", lambda t: int32(5, 1000), ValueError, r"seq_lens\[1\] = 1000"),
+    "seq_len_past_table": (
+        "seq_lens",
+        lambda t: int32(5, 1000),
+        ValueError,
+        r"seq_lens\[1\] = 1000",
+    ),
     "block_out_of_range": ("block_tables", lambda t: t + 1000, ValueError, r"block_tables\[0, 0\]"),
     "q_dtype": ("q", lambda t: t.half(), TypeError, "q must be float32 or bfloat16"),
     "cache_dtype": ("k_cache", lambda t: t.bfloat16(), TypeError, "must have q's dtype"),
     "seq_lens_dtype": ("seq_lens", lambda t: t.long(), TypeError, "seq_lens must be int32"),
-    "block_tables_dtype": ("block_tables", lambda t: t.long(), TypeError, "block_tables must be int32"),
-    "cache_strided": ("k_cache", lambda t: t.transpose(0, 1).contiguous().transpose(0, 1), RuntimeError,
-                      "must be contiguous"),
+    "block_tables_dtype": (
+        "block_tables",
+        lambda t: t.long(),
+        TypeError,
+        "block_tables must be int32",
+    ),
+    "cache_strided": (
+        "k_cache",
+        lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
+        RuntimeError,
+        "must be contiguous",
+    ),
 }
 
 
@@ -222,8 +246,11 @@ def test_rms_norms_match_reference(dtype, shape, offset) -> None:
     x = (torch.randn(shape) * 3).to(dtype)
     residual = torch.randn(shape).to(dtype)
     weight = (torch.randn(shape[-1]) * 0.1).to(dtype)
-    torch.testing.assert_close(cpu_ext.rms_norm(x, weight, 1e-6, offset),
-                               norm.rms_norm(x, weight, 1e-6, offset), **ROW_TOL[dtype])
+    torch.testing.assert_close(
+        cpu_ext.rms_norm(x, weight, 1e-6, offset),
+        norm.rms_norm(x, weight, 1e-6, offset),
+        **ROW_TOL[dtype],
+    )
     y, new_residual = cpu_ext.add_rms_norm(x, residual, weight, 1e-6, offset)
     ref_y, ref_residual = norm.add_rms_norm(x, residual, weight, 1e-6, offset)
     torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)  # same rounding
@@ -236,11 +263,17 @@ def test_rms_norm_of_a_strided_view_and_an_fp32_weight_on_bf16() -> None:
     qkv = torch.randn(6, 3 * 8 * 64)
     q = qkv[:, : 8 * 64].view(6, 8, 64)  # rows of a fused projection: not contiguous
     weight = torch.randn(64)
-    torch.testing.assert_close(cpu_ext.rms_norm(q, weight, 1e-6, 1.0),
-                               norm.rms_norm(q, weight, 1e-6, 1.0), **ROW_TOL[torch.float32])
+    torch.testing.assert_close(
+        cpu_ext.rms_norm(q, weight, 1e-6, 1.0),
+        norm.rms_norm(q, weight, 1e-6, 1.0),
+        **ROW_TOL[torch.float32],
+    )
     xb = torch.randn(4, 64).bfloat16()
-    torch.testing.assert_close(cpu_ext.rms_norm(xb, weight, 1e-6, 1.0),
-                               norm.rms_norm(xb, weight, 1e-6, 1.0), **ROW_TOL[torch.bfloat16])
+    torch.testing.assert_close(
+        cpu_ext.rms_norm(xb, weight, 1e-6, 1.0),
+        norm.rms_norm(xb, weight, 1e-6, 1.0),
+        **ROW_TOL[torch.bfloat16],
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -250,13 +283,18 @@ def test_silu_and_mul_matches_reference(dtype, shape) -> None:
 
     x = (torch.randn(shape) * 6).to(dtype)  # large |gate| too: the sigmoid must not overflow
     x.view(-1)[0] = -100.0
-    torch.testing.assert_close(cpu_ext.silu_and_mul(x), activation.silu_and_mul(x), **ROW_TOL[dtype])
+    torch.testing.assert_close(
+        cpu_ext.silu_and_mul(x), activation.silu_and_mul(x), **ROW_TOL[dtype]
+    )
 
 
 def test_row_kernels_are_the_cpu_ops_and_reject_bad_shapes() -> None:
     cpu = kernels.get_ops("cpu")
     assert (cpu.rms_norm, cpu.add_rms_norm, cpu.silu_and_mul) == (
-        cpu_ext.rms_norm, cpu_ext.add_rms_norm, cpu_ext.silu_and_mul)
+        cpu_ext.rms_norm,
+        cpu_ext.add_rms_norm,
+        cpu_ext.silu_and_mul,
+    )
     with pytest.raises(ValueError, match="weight must be"):
         cpu_ext.rms_norm(torch.randn(4, 64), torch.randn(32), 1e-6, 1.0)
     with pytest.raises(ValueError, match="last dim must be even"):

@@ -43,10 +43,14 @@ def delta_inputs(num_tokens, heads, dk, dv, dtype=torch.float32, strided=False):
     q = F.normalize(torch.randn(num_tokens, heads, dk), dim=-1).to(dtype)
     k = F.normalize(torch.randn(num_tokens, heads, dk), dim=-1).to(dtype)
     if strided:
-        v = torch.randn(num_tokens, heads * dv + 5).to(dtype)[:, 3:3 + heads * dv].view(num_tokens, heads, dv)
+        v = (
+            torch.randn(num_tokens, heads * dv + 5)
+            .to(dtype)[:, 3 : 3 + heads * dv]
+            .view(num_tokens, heads, dv)
+        )
         gates = torch.randn(num_tokens, 3 * heads)
         g = -F.softplus(gates[:, :heads]) * 0.5
-        beta = gates.to(dtype)[:, heads:2 * heads].sigmoid()
+        beta = gates.to(dtype)[:, heads : 2 * heads].sigmoid()
         assert not v.is_contiguous() or num_tokens <= 1
     else:
         v = torch.randn(num_tokens, heads, dv).to(dtype)
@@ -56,8 +60,14 @@ def delta_inputs(num_tokens, heads, dk, dv, dtype=torch.float32, strided=False):
 
 
 def run_chunk(fn, inputs, pool, lens, slots, has_init, scale):
-    return fn(*inputs, ssm_state=pool, query_start_loc=qsl_of(lens), state_indices=slots,
-              has_initial_state=has_init, scale=scale)
+    return fn(
+        *inputs,
+        ssm_state=pool,
+        query_start_loc=qsl_of(lens),
+        state_indices=slots,
+        has_initial_state=has_init,
+        scale=scale,
+    )
 
 
 PREFILL_CASES = {
@@ -79,7 +89,9 @@ def test_prefill_matches_reference(case, strided) -> None:
     pool_ref = pool.clone()
     has_init = torch.tensor([i % 3 != 1 for i in range(len(lens))])
     o = run_chunk(cpu_ext.chunk_gated_delta_rule, inputs, pool, lens, slots, has_init, dk**-0.5)
-    o_ref = run_chunk(delta_rule.chunk_gated_delta_rule, inputs, pool_ref, lens, slots, has_init, dk**-0.5)
+    o_ref = run_chunk(
+        delta_rule.chunk_gated_delta_rule, inputs, pool_ref, lens, slots, has_init, dk**-0.5
+    )
     close(o, o_ref)
     close(pool, pool_ref)  # the slots in use updated alike, the others untouched
 
@@ -93,7 +105,9 @@ def test_decode_matches_reference_in_shuffled_slots(batch, dims) -> None:
     pool = torch.randn(num_slots, heads, dk, dv) * 0.5
     pool_ref = pool.clone()
     o = cpu_ext.recurrent_gated_delta_rule(*inputs, ssm_state=pool, state_indices=slots, scale=0.3)
-    o_ref = delta_rule.recurrent_gated_delta_rule(*inputs, ssm_state=pool_ref, state_indices=slots, scale=0.3)
+    o_ref = delta_rule.recurrent_gated_delta_rule(
+        *inputs, ssm_state=pool_ref, state_indices=slots, scale=0.3
+    )
     close(o, o_ref)
     close(pool, pool_ref)
 
@@ -103,14 +117,39 @@ def test_decode_continues_a_prefill() -> None:
     q, k, v, g, beta = delta_inputs(75, 2, 64, 64)
     pool, one = torch.zeros(2, 2, 64, 64), torch.zeros(2, 2, 64, 64)
     slot = torch.tensor([1])
-    parts = [run_chunk(cpu_ext.chunk_gated_delta_rule, [t[:70] for t in (q, k, v, g, beta)], pool,
-                       [70], slot, torch.tensor([False]), 0.125)]
+    parts = [
+        run_chunk(
+            cpu_ext.chunk_gated_delta_rule,
+            [t[:70] for t in (q, k, v, g, beta)],
+            pool,
+            [70],
+            slot,
+            torch.tensor([False]),
+            0.125,
+        )
+    ]
     for t in range(70, 75):
-        parts.append(cpu_ext.recurrent_gated_delta_rule(
-            q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], ssm_state=pool,
-            state_indices=slot, scale=0.125))
-    o_one = run_chunk(delta_rule.chunk_gated_delta_rule, (q, k, v, g, beta), one, [75], slot,
-                      torch.tensor([False]), 0.125)
+        parts.append(
+            cpu_ext.recurrent_gated_delta_rule(
+                q[t : t + 1],
+                k[t : t + 1],
+                v[t : t + 1],
+                g[t : t + 1],
+                beta[t : t + 1],
+                ssm_state=pool,
+                state_indices=slot,
+                scale=0.125,
+            )
+        )
+    o_one = run_chunk(
+        delta_rule.chunk_gated_delta_rule,
+        (q, k, v, g, beta),
+        one,
+        [75],
+        slot,
+        torch.tensor([False]),
+        0.125,
+    )
     close(torch.cat(parts), o_one)
     close(pool, one)
 
@@ -123,13 +162,18 @@ def test_bf16_inputs_keep_dtype_and_fp32_state(decode) -> None:
     pool = torch.randn(num_slots, 2, 64, 40) * 0.5
     pool_ref = pool.clone()
     if decode:
-        o = cpu_ext.recurrent_gated_delta_rule(*inputs, ssm_state=pool, state_indices=slots, scale=0.2)
-        o_ref = delta_rule.recurrent_gated_delta_rule(*inputs, ssm_state=pool_ref, state_indices=slots,
-                                                      scale=0.2)
+        o = cpu_ext.recurrent_gated_delta_rule(
+            *inputs, ssm_state=pool, state_indices=slots, scale=0.2
+        )
+        o_ref = delta_rule.recurrent_gated_delta_rule(
+            *inputs, ssm_state=pool_ref, state_indices=slots, scale=0.2
+        )
     else:
         has_init = torch.tensor([True, False])
         o = run_chunk(cpu_ext.chunk_gated_delta_rule, inputs, pool, lens, slots, has_init, 0.2)
-        o_ref = run_chunk(delta_rule.chunk_gated_delta_rule, inputs, pool_ref, lens, slots, has_init, 0.2)
+        o_ref = run_chunk(
+            delta_rule.chunk_gated_delta_rule, inputs, pool_ref, lens, slots, has_init, 0.2
+        )
     assert o.dtype == torch.bfloat16 and pool.dtype == torch.float32
     close(pool, pool_ref)
     # both round the same fp32 result to bf16: at most one bf16 step apart
@@ -148,8 +192,15 @@ def test_same_result_for_any_thread_count(threads) -> None:
         for n in (1, threads):
             torch.set_num_threads(n)
             pool = start.clone()
-            o = run_chunk(cpu_ext.chunk_gated_delta_rule, inputs, pool, lens, slots,
-                          torch.ones(len(lens), dtype=torch.bool), 0.2)
+            o = run_chunk(
+                cpu_ext.chunk_gated_delta_rule,
+                inputs,
+                pool,
+                lens,
+                slots,
+                torch.ones(len(lens), dtype=torch.bool),
+                0.2,
+            )
             results.append((o, pool))
     finally:
         torch.set_num_threads(before)
@@ -160,22 +211,41 @@ def test_delta_rule_other_dtypes_and_empty_batches() -> None:
     q, k, v, g, beta = (t.double() for t in delta_inputs(4, 2, 16, 8))
     pool = torch.randn(3, 2, 16, 8)
     pool_ref = pool.clone()
-    o = run_chunk(cpu_ext.chunk_gated_delta_rule, (q, k, v, g, beta), pool, [4], torch.tensor([2]),
-                  torch.tensor([True]), 0.5)
-    o_ref = run_chunk(delta_rule.chunk_gated_delta_rule, (q, k, v, g, beta), pool_ref, [4], torch.tensor([2]),
-                      torch.tensor([True]), 0.5)
+    o = run_chunk(
+        cpu_ext.chunk_gated_delta_rule,
+        (q, k, v, g, beta),
+        pool,
+        [4],
+        torch.tensor([2]),
+        torch.tensor([True]),
+        0.5,
+    )
+    o_ref = run_chunk(
+        delta_rule.chunk_gated_delta_rule,
+        (q, k, v, g, beta),
+        pool_ref,
+        [4],
+        torch.tensor([2]),
+        torch.tensor([True]),
+        0.5,
+    )
     assert o.dtype == torch.float64 and torch.equal(o, o_ref) and torch.equal(pool, pool_ref)
     empty = [t[:0].float() for t in (q, k, v, g, beta)]
-    out = cpu_ext.recurrent_gated_delta_rule(*empty, ssm_state=pool, state_indices=torch.tensor([], dtype=torch.long),
-                                             scale=0.5)
+    out = cpu_ext.recurrent_gated_delta_rule(
+        *empty, ssm_state=pool, state_indices=torch.tensor([], dtype=torch.long), scale=0.5
+    )
     assert out.shape == (0, 2, 8) and torch.equal(pool, pool_ref)
 
 
 def test_delta_rule_rejects_slots_outside_the_pool() -> None:
     inputs = delta_inputs(2, 2, 16, 8)
     with pytest.raises(ValueError, match="outside the pool of 3 slots"):
-        cpu_ext.recurrent_gated_delta_rule(*inputs, ssm_state=torch.zeros(3, 2, 16, 8),
-                                           state_indices=torch.tensor([0, 3]), scale=0.5)
+        cpu_ext.recurrent_gated_delta_rule(
+            *inputs,
+            ssm_state=torch.zeros(3, 2, 16, 8),
+            state_indices=torch.tensor([0, 3]),
+            scale=0.5,
+        )
 
 
 # --- causal conv1d ---------------------------------------------------------------------------
@@ -183,7 +253,7 @@ def test_delta_rule_rejects_slots_outside_the_pool() -> None:
 
 def conv_inputs(num_tokens, channels, kernel, dtype=torch.float32, strided=False):
     if strided:  # a column slice of the fused projection's output
-        x = torch.randn(num_tokens, channels + 7).to(dtype)[:, 2:2 + channels]
+        x = torch.randn(num_tokens, channels + 7).to(dtype)[:, 2 : 2 + channels]
     else:
         x = torch.randn(num_tokens, channels).to(dtype)
     return x, torch.randn(channels, kernel)
@@ -205,11 +275,16 @@ def test_conv_prefill_matches_reference(case, dtype) -> None:
     slots, num_slots = shuffled_slots(len(lens))
     state = torch.randn(num_slots, channels, kernel - 1).to(dtype)
     state_ref = state.clone()
-    common = dict(query_start_loc=qsl_of(lens), state_indices=slots,
-                  has_initial_state=torch.tensor([i % 3 != 1 for i in range(len(lens))]))
+    common = dict(
+        query_start_loc=qsl_of(lens),
+        state_indices=slots,
+        has_initial_state=torch.tensor([i % 3 != 1 for i in range(len(lens))]),
+    )
     y = cpu_ext.causal_conv1d(x, weight, state, **common)
     y_ref = conv.causal_conv1d(x, weight, state_ref, **common)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the same fp32 sum rounded, one step apart
+    tol = (
+        1e-4 if dtype == torch.float32 else 1e-2
+    )  # bf16: the same fp32 sum rounded, one step apart
     close(y, y_ref, tol)
     assert torch.equal(state, state_ref)  # inputs move into the state unchanged
 
@@ -231,11 +306,25 @@ def test_conv_decode_continues_a_prefill() -> None:
     x, weight = conv_inputs(12, 10, 4)
     state, one = torch.zeros(2, 10, 3), torch.zeros(2, 10, 3)
     slot = torch.tensor([1])
-    ys = [cpu_ext.causal_conv1d(x[:9], weight, state, query_start_loc=torch.tensor([0, 9]), state_indices=slot,
-                                has_initial_state=torch.tensor([False]))]
-    ys += [cpu_ext.causal_conv1d_update(x[t:t + 1], weight, state, slot) for t in range(9, 12)]
-    y_one = conv.causal_conv1d(x, weight, one, query_start_loc=torch.tensor([0, 12]), state_indices=slot,
-                               has_initial_state=torch.tensor([False]))
+    ys = [
+        cpu_ext.causal_conv1d(
+            x[:9],
+            weight,
+            state,
+            query_start_loc=torch.tensor([0, 9]),
+            state_indices=slot,
+            has_initial_state=torch.tensor([False]),
+        )
+    ]
+    ys += [cpu_ext.causal_conv1d_update(x[t : t + 1], weight, state, slot) for t in range(9, 12)]
+    y_one = conv.causal_conv1d(
+        x,
+        weight,
+        one,
+        query_start_loc=torch.tensor([0, 12]),
+        state_indices=slot,
+        has_initial_state=torch.tensor([False]),
+    )
     close(torch.cat(ys), y_one)
     assert torch.equal(state, one)
 

@@ -124,16 +124,23 @@ def test_paged_attention_mixed_batch(npu_ops, heads) -> None:
 def test_paged_attention_takes_host_lengths(npu_ops) -> None:
     batch = paged_batch([1, 40, 130], [200, 40, 300])
     q = batch.pop("q")
-    host = dict(query_start_loc_list=batch["query_start_loc"].tolist(),
-                seq_lens_list=batch["seq_lens"].tolist())
+    host = dict(
+        query_start_loc_list=batch["query_start_loc"].tolist(),
+        seq_lens_list=batch["seq_lens"].tolist(),
+    )
     expected = ref.paged_attention(q, **batch, scale=0.25)
     batch["seq_lens"] = torch.ones_like(batch["seq_lens"])  # ignored: the host copy is used
     close(npu_ops.paged_attention(q, **batch, **host, scale=0.25), expected, 1e-2)
     # decode: the host copy alone reaches the op's context_lens (the device tensor is garbage)
-    caches = dict(k_cache=batch["k_cache"], v_cache=batch["v_cache"],
-                  block_tables=batch["block_tables"][:1], scale=0.25)
-    out = npu_ops.paged_attention_decode(q[:1], **caches, seq_lens=torch.tensor([7]),
-                                         seq_lens_list=[200])
+    caches = dict(
+        k_cache=batch["k_cache"],
+        v_cache=batch["v_cache"],
+        block_tables=batch["block_tables"][:1],
+        scale=0.25,
+    )
+    out = npu_ops.paged_attention_decode(
+        q[:1], **caches, seq_lens=torch.tensor([7]), seq_lens_list=[200]
+    )
     close(out, ref.paged_attention_decode(q[:1], **caches, seq_lens=torch.tensor([200])), 1e-2)
 
 

@@ -1,4 +1,5 @@
 """Loading HF safetensors checkpoints: sharding, tying, fused shards and clear mismatch errors."""
+
 import json
 
 import pytest
@@ -49,17 +50,26 @@ def test_fused_shards_and_untied_head_hold_checkpoint_tensors(tmp_path):
     ckpt = load_file(path / "model.safetensors")
     model = load_model(path)
     mlp = model.model.layers[0].mlp.gate_up_proj.weight
-    assert torch.equal(mlp, torch.cat([ckpt["model.layers.0.mlp.gate_proj.weight"], ckpt["model.layers.0.mlp.up_proj.weight"]]))
+    assert torch.equal(
+        mlp,
+        torch.cat(
+            [ckpt["model.layers.0.mlp.gate_proj.weight"], ckpt["model.layers.0.mlp.up_proj.weight"]]
+        ),
+    )
     gdn = model.model.layers[0].linear_attn.in_proj_qkvzba.weight
     parts = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
-    assert torch.equal(gdn, torch.cat([ckpt[f"model.layers.0.linear_attn.{p}.weight"] for p in parts]))
+    assert torch.equal(
+        gdn, torch.cat([ckpt[f"model.layers.0.linear_attn.{p}.weight"] for p in parts])
+    )
     assert torch.equal(model.lm_head.weight, ckpt["lm_head.weight"])
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
 
 def test_tied_model_has_no_head_and_ignores_a_redundant_one(tmp_path):
     path = make_tiny_model(tmp_path, tie_word_embeddings=True)
-    rewrite_checkpoint(path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    rewrite_checkpoint(
+        path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone())
+    )
     model = load_model(path)
     assert not hasattr(model, "lm_head")
     assert "lm_head.weight" not in dict(model.named_parameters())
@@ -67,13 +77,22 @@ def test_tied_model_has_no_head_and_ignores_a_redundant_one(tmp_path):
 
 def test_extra_tensor_is_named(tmp_path):
     path = make_tiny_model(tmp_path)
-    rewrite_checkpoint(path, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(2, 2)))
-    with pytest.raises(WeightLoadError, match=r"does not use: model\.layers\.0\.mlp\.extra_proj\.weight"):
+    rewrite_checkpoint(
+        path, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(2, 2))
+    )
+    with pytest.raises(
+        WeightLoadError, match=r"does not use: model\.layers\.0\.mlp\.extra_proj\.weight"
+    ):
         load_model(path)
 
 
 @pytest.mark.parametrize(
-    "name", ["model.layers.1.mlp.up_proj.weight", "model.layers.3.self_attn.k_proj.weight", "model.norm.weight"]
+    "name",
+    [
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.norm.weight",
+    ],
 )
 def test_missing_tensor_is_named(tmp_path, name):
     path = make_tiny_model(tmp_path)
@@ -84,7 +103,9 @@ def test_missing_tensor_is_named(tmp_path, name):
 
 def test_misshapen_tensor_is_named(tmp_path):
     path = make_tiny_model(tmp_path, "qwen3")
-    rewrite_checkpoint(path, lambda t: t.__setitem__("model.layers.0.self_attn.v_proj.weight", torch.zeros(3, 64)))
+    rewrite_checkpoint(
+        path, lambda t: t.__setitem__("model.layers.0.self_attn.v_proj.weight", torch.zeros(3, 64))
+    )
     with pytest.raises(WeightLoadError, match=r"v_proj\.weight.*\(3, 64\)"):
         load_model(path)
 
@@ -101,7 +122,7 @@ def test_truncated_checkpoint_is_a_load_error_naming_the_file(tmp_path, keep):
     path = make_tiny_model(tmp_path)
     weights = path / "model.safetensors"
     data = weights.read_bytes()
-    weights.write_bytes(data[:len(data) // 2 if keep == "half" else keep])
+    weights.write_bytes(data[: len(data) // 2 if keep == "half" else keep])
     with pytest.raises(WeightLoadError, match=f"{weights} is not a readable safetensors file"):
         load_model(path)
 
@@ -123,7 +144,10 @@ def test_image_text_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
     text["tie_word_embeddings"] = False
     out = tmp_path / "image_text"
     Qwen3_5Config(text_config=text, tie_word_embeddings=True).save_pretrained(out)
-    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(plain / "model.safetensors").items()}
+    tensors = {
+        k.replace("model.", "model.language_model.", 1): v
+        for k, v in load_file(plain / "model.safetensors").items()
+    }
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
     save_file(tensors, out / "model.safetensors")

@@ -1,4 +1,5 @@
 """Our Qwen3.5 / Qwen3 models on the paged cache against HF transformers' own full forward."""
+
 import random
 
 import pytest
@@ -23,22 +24,45 @@ CONFIGS = {
     "q35_full_first_untied": (
         "qwen3_5",
         dict(
-            layer_types=[FULL, LIN, LIN, FULL], num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-            linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+            layer_types=[FULL, LIN, LIN, FULL],
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "partial_rotary_factor": 0.5,
+            },
         ),
     ),
-    "q35_all_full": ("qwen3_5", dict(layer_types=[FULL, FULL], num_attention_heads=2, num_key_value_heads=2, head_dim=8)),
+    "q35_all_full": (
+        "qwen3_5",
+        dict(layer_types=[FULL, FULL], num_attention_heads=2, num_key_value_heads=2, head_dim=8),
+    ),
     "q35_all_linear": (
         "qwen3_5",
         dict(
-            layer_types=[LIN, LIN, LIN], linear_num_key_heads=1, linear_num_value_heads=3,
-            linear_key_head_dim=8, linear_value_head_dim=24, tie_word_embeddings=False,
+            layer_types=[LIN, LIN, LIN],
+            linear_num_key_heads=1,
+            linear_num_value_heads=3,
+            linear_key_head_dim=8,
+            linear_value_head_dim=24,
+            tie_word_embeddings=False,
         ),
     ),
     "qwen3_untied": ("qwen3", {}),
     "qwen3_tied_gqa4_bias": (
-        "qwen3", dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=2, head_dim=8, attention_bias=True)
+        "qwen3",
+        dict(
+            tie_word_embeddings=True,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=8,
+            attention_bias=True,
+        ),
     ),
 }
 
@@ -46,8 +70,12 @@ CONFIGS = {
 class StepHarness:
     """Hand-built per-step metadata: each sequence gets scattered KV blocks and an odd state slot."""
 
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8, seed: int = 0) -> None:
-        allocate_caches(model, num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device="cpu")
+    def __init__(
+        self, model, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8, seed: int = 0
+    ) -> None:
+        allocate_caches(
+            model, num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device="cpu"
+        )
         self.model = model
         self.block_size = block_size
         self.free_blocks = list(range(num_blocks))
@@ -61,7 +89,9 @@ class StepHarness:
         self.slots[seq] = 2 * len(self.slots) + 1
 
     @torch.no_grad()
-    def step(self, chunks: list[tuple[str, list[int]]], logits_rows: str = "all") -> list[torch.Tensor]:
+    def step(
+        self, chunks: list[tuple[str, list[int]]], logits_rows: str = "all"
+    ) -> list[torch.Tensor]:
         """Run one step over (sequence, new tokens) chunks, decodes first; logits per chunk."""
         for seq, _ in chunks:
             if seq not in self.blocks:
@@ -78,14 +108,19 @@ class StepHarness:
             while len(self.blocks[seq]) * self.block_size < end:
                 self.blocks[seq].append(self.free_blocks.pop())
             for pos in range(start, end):
-                slot = self.blocks[seq][pos // self.block_size] * self.block_size + pos % self.block_size
+                slot = (
+                    self.blocks[seq][pos // self.block_size] * self.block_size
+                    + pos % self.block_size
+                )
                 slot_mapping.append(slot)
             input_ids += tokens
             positions += range(start, end)
             starts.append(starts[-1] + len(tokens))
             seq_lens.append(end)
         max_blocks = max(len(self.blocks[seq]) for seq, _ in chunks)
-        tables = [self.blocks[seq] + [0] * (max_blocks - len(self.blocks[seq])) for seq, _ in chunks]
+        tables = [
+            self.blocks[seq] + [0] * (max_blocks - len(self.blocks[seq])) for seq, _ in chunks
+        ]
         rows = list(range(len(input_ids))) if logits_rows == "all" else [s - 1 for s in starts[1:]]
         ctx = Context(
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
@@ -143,7 +178,7 @@ def test_chunked_prefill_then_decode_matches_hf(models):
     ref = hf_logits(hf, seq)
     harness, pos, got = StepHarness(ours, seed=1), 0, []
     for n in (11, 9, 6) + (1,) * 5:
-        (logits,) = harness.step([("a", seq[pos:pos + n])])
+        (logits,) = harness.step([("a", seq[pos : pos + n])])
         got.append(logits)
         pos += n
     assert pos == len(seq)
@@ -160,8 +195,12 @@ def test_batched_sequences_match_each_alone(models):
     got_a, got_b = harness.step([("a", a[:13]), ("b", b[:21])])  # two prefills of different lengths
     assert_close(got_a, alone_a, atol=1e-5)
     assert_close(got_b, alone_b, atol=1e-5)
-    mixed_a, mixed_b = harness.step([("a", a[13:14]), ("b", b[21:27])])  # a decode next to a prefill chunk
-    decodes = [harness.step([("a", a[13 + i:14 + i]), ("b", b[26 + i:27 + i])]) for i in (1, 2, 3)]
+    mixed_a, mixed_b = harness.step(
+        [("a", a[13:14]), ("b", b[21:27])]
+    )  # a decode next to a prefill chunk
+    decodes = [
+        harness.step([("a", a[13 + i : 14 + i]), ("b", b[26 + i : 27 + i])]) for i in (1, 2, 3)
+    ]
     last_a, last_b = harness.step([("a", a[17:21]), ("b", b[30:34])], logits_rows="last")
 
     ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
@@ -174,7 +213,9 @@ def test_batched_sequences_match_each_alone(models):
 def test_cache_specs_follow_config(models):
     ours, _ = models
     config = ours.config
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    types = list(
+        getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    )
     assert sorted(ours.kv_cache_specs()) == [i for i, t in enumerate(types) if t == FULL]
     assert sorted(ours.state_specs()) == [i for i, t in enumerate(types) if t == LIN]
     allocate_caches(ours, num_blocks=10, block_size=4, num_slots=3, device="cpu")
@@ -187,11 +228,16 @@ def test_cache_specs_follow_config(models):
         )
         assert mixer.conv_state.shape == (3, conv_dim, config.linear_conv_kernel_dim - 1)
         assert mixer.ssm_state.shape == (
-            3, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+            3,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
         )
         assert mixer.ssm_state.dtype == torch.float32
     caches = [t for a in ours.attention_layers().values() for t in (a.k_cache, a.v_cache)]
-    states = [t for m in ours.linear_attention_layers().values() for t in (m.conv_state, m.ssm_state)]
+    states = [
+        t for m in ours.linear_attention_layers().values() for t in (m.conv_state, m.ssm_state)
+    ]
     assert kv_bytes_per_block(ours, 4) * 10 == sum(t.nbytes for t in caches)
     assert state_bytes_per_slot(ours) * 3 == sum(t.nbytes for t in states)
 

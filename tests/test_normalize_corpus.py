@@ -63,8 +63,10 @@ EN_CORPUS = [
     # phone-like numbers
     ("Call 555-123-4567.", "Call five five five, one two three, four five six seven."),
     ("Call (555) 123-4567.", "Call five five five, one two three, four five six seven."),
-    ("Call +44 20 7946 0958.",
-     "Call plus four four, two zero, seven nine four six, zero nine five eight."),
+    (
+        "Call +44 20 7946 0958.",
+        "Call plus four four, two zero, seven nine four six, zero nine five eight.",
+    ),
     # symbols and fractions
     ("5 - 3", "five minus three"),
     ("Page #5", "Page number five"),

@@ -22,8 +22,18 @@ from tests import torch_npu_standin as standin
 from text_service.engine import EngineArgs, LLMEngine
 from text_service.sampling_params import SamplingParams
 
-_READS = {"tolist", "item", "numpy", "cpu", "nonzero", "masked_select", "__bool__", "__int__",
-          "__float__", "__index__"}
+_READS = {
+    "tolist",
+    "item",
+    "numpy",
+    "cpu",
+    "nonzero",
+    "masked_select",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+}
 _MASKED = {"__getitem__", "__setitem__", "index_put_", "index_put"}
 # head sizes, block size and dtype inside the torch_npu operations' documented constraints, so
 # that every op runs the stand-in and none falls back to the reference
@@ -90,6 +100,7 @@ def host_reads(monkeypatch: pytest.MonkeyPatch):
                 return fn(*args, **kwargs)
             finally:
                 counter.paused -= 1
+
         return call
 
     for name in NPU_OPS | NPU_DELTA_OPS | {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul"}:
@@ -99,14 +110,24 @@ def host_reads(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def model_dir(request, tmp_path_factory):
-    return request.param, make_tiny_model(tmp_path_factory.mktemp(request.param), request.param,
-                                          **KINDS[request.param])
+    return request.param, make_tiny_model(
+        tmp_path_factory.mktemp(request.param), request.param, **KINDS[request.param]
+    )
 
 
 def _engine(path) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=str(path), device="cpu", dtype="bfloat16", block_size=128,
-                                kv_cache_memory_bytes=1 << 24, max_num_seqs=4,
-                                max_num_batched_tokens=24, enable_prefix_caching=False))
+    return LLMEngine(
+        EngineArgs(
+            model=str(path),
+            device="cpu",
+            dtype="bfloat16",
+            block_size=128,
+            kv_cache_memory_bytes=1 << 24,
+            max_num_seqs=4,
+            max_num_batched_tokens=24,
+            enable_prefix_caching=False,
+        )
+    )
 
 
 def _steps(engine: LLMEngine, counter: HostReads, strip_host_metadata: bool = False):
@@ -118,8 +139,9 @@ def _steps(engine: LLMEngine, counter: HostReads, strip_host_metadata: bool = Fa
     def recording(*args, **kwargs):
         ids, positions, ctx = prepare(*args, **kwargs)
         if strip_host_metadata:
-            ctx = dataclasses.replace(ctx, query_start_loc_list=None, seq_lens_list=None,
-                                      all_slots_valid=None)
+            ctx = dataclasses.replace(
+                ctx, query_start_loc_list=None, seq_lens_list=None, all_slots_valid=None
+            )
         steps.append([ctx.num_decodes, ctx.num_seqs])
         return ids, positions, ctx
 

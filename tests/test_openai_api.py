@@ -21,14 +21,19 @@ from tests.procs import metric_value
 from tests.voices import make_tts_voice
 
 TEXT = "hello there, this is the speech endpoint"
-LONG_TEXT = " ".join(f"this is sentence number {i} and it keeps the pipeline busy." for i in range(12))
+LONG_TEXT = " ".join(
+    f"this is sentence number {i} and it keeps the pipeline busy." for i in range(12)
+)
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    local = LocalDeployment(make_tts_voice(tmp_path_factory.mktemp("voices")),
-                            threads={"text": 1, "vocoder": 1}, metrics_ports=(0, -1, -1),
-                            http_port=0)
+    local = LocalDeployment(
+        make_tts_voice(tmp_path_factory.mktemp("voices")),
+        threads={"text": 1, "vocoder": 1},
+        metrics_ports=(0, -1, -1),
+        http_port=0,
+    )
     local.start()
     yield local
     local.stop()
@@ -36,32 +41,68 @@ def deployment(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    return openai.OpenAI(base_url=deployment.http_url + "v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(
+        base_url=deployment.http_url + "v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
 def reference(deployment) -> bytes:
     """The same speech through the gRPC API: LINEAR16 at 24 kHz."""
     with grpc.insecure_channel(deployment.address) as ch:
-        responses = tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(pb.SynthesizeRequest(
-            text=TEXT, voice="tiny", audio_config=pb.AudioConfig(
-                encoding=pb.LINEAR16, sample_rate_hz=24000)), timeout=120)
+        responses = tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+            pb.SynthesizeRequest(
+                text=TEXT,
+                voice="tiny",
+                audio_config=pb.AudioConfig(encoding=pb.LINEAR16, sample_rate_hz=24000),
+            ),
+            timeout=120,
+        )
         pcm = b"".join(r.audio.audio for r in responses if r.HasField("audio"))
     assert len(pcm) > 2000
     return pcm
 
 
 def ffmpeg_pcm(blob: bytes, rate: int = 24000) -> bytes:
-    r = subprocess.run(["ffmpeg", "-v", "error", "-i", "pipe:0", "-f", "s16le", "-ac", "1", "-ar",
-                        str(rate), "pipe:1"], input=blob, capture_output=True, timeout=60)
+    r = subprocess.run(
+        [
+            "ffmpeg",
+            "-v",
+            "error",
+            "-i",
+            "pipe:0",
+            "-f",
+            "s16le",
+            "-ac",
+            "1",
+            "-ar",
+            str(rate),
+            "pipe:1",
+        ],
+        input=blob,
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr.decode()
     return r.stdout
 
 
 def probe(blob: bytes) -> dict:
-    r = subprocess.run(["ffprobe", "-v", "error", "-print_format", "json", "-show_format",
-                        "-show_streams", "pipe:0"], input=blob, capture_output=True, timeout=60)
+    r = subprocess.run(
+        [
+            "ffprobe",
+            "-v",
+            "error",
+            "-print_format",
+            "json",
+            "-show_format",
+            "-show_streams",
+            "pipe:0",
+        ],
+        input=blob,
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr.decode()
     return json.loads(r.stdout)
 
@@ -78,8 +119,10 @@ def speak(client, **kwargs) -> bytes:
     return client.audio.speech.create(**args).read()
 
 
-@pytest.mark.parametrize("fmt, codec", [("mp3", "mp3"), ("opus", "opus"), ("aac", "aac"),
-                                        ("flac", "flac"), ("wav", "pcm_s16le")])
+@pytest.mark.parametrize(
+    "fmt, codec",
+    [("mp3", "mp3"), ("opus", "opus"), ("aac", "aac"), ("flac", "flac"), ("wav", "pcm_s16le")],
+)
 def test_each_format_decodes_to_the_speech(client, reference, fmt, codec):
     blob = speak(client, response_format=fmt)
     stream = probe(blob)["streams"][0]
@@ -112,7 +155,8 @@ def test_streaming_response_arrives_while_the_speech_is_made(client, deployment)
             return metric_value(r.read().decode(), "splittts_tts_requests_in_flight")
 
     with client.audio.speech.with_streaming_response.create(
-            model="split-tts", voice="tiny", input=LONG_TEXT, response_format="wav") as response:
+        model="split-tts", voice="tiny", input=LONG_TEXT, response_format="wav"
+    ) as response:
         assert response.headers["content-type"] == "audio/wav"
         assert response.headers.get("transfer-encoding") == "chunked"
         assert "content-length" not in response.headers
@@ -130,7 +174,8 @@ def test_streaming_response_arrives_while_the_speech_is_made(client, deployment)
 
 def test_streamed_body_equals_the_whole_one(client):
     with client.audio.speech.with_streaming_response.create(
-            model="tts-1-hd", voice={"id": "tiny"}, input=TEXT, response_format="flac") as r:
+        model="tts-1-hd", voice={"id": "tiny"}, input=TEXT, response_format="flac"
+    ) as r:
         streamed = b"".join(r.iter_bytes(1000))
     assert same_audio(ffmpeg_pcm(streamed), ffmpeg_pcm(speak(client, response_format="flac")))
 
@@ -148,16 +193,19 @@ def test_models_and_voices(client):
     assert voice["language_codes"] == ["en-US", "cmn-CN"]
 
 
-@pytest.mark.parametrize("kwargs, error, status, param", [
-    (dict(voice="alloy"), openai.NotFoundError, 404, "voice"),
-    (dict(model="whisper-1"), openai.NotFoundError, 404, "model"),
-    (dict(input=""), openai.BadRequestError, 400, "input"),
-    (dict(input="a" * 5001), openai.BadRequestError, 400, "input"),
-    (dict(speed=4.0), openai.BadRequestError, 400, "speed"),
-    (dict(response_format="ogg"), openai.BadRequestError, 400, "response_format"),
-    (dict(stream_format="sse"), openai.BadRequestError, 400, "stream_format"),
-    (dict(extra_body={"sampling": 1}), openai.BadRequestError, 400, "sampling"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, status, param",
+    [
+        (dict(voice="alloy"), openai.NotFoundError, 404, "voice"),
+        (dict(model="whisper-1"), openai.NotFoundError, 404, "model"),
+        (dict(input=""), openai.BadRequestError, 400, "input"),
+        (dict(input="a" * 5001), openai.BadRequestError, 400, "input"),
+        (dict(speed=4.0), openai.BadRequestError, 400, "speed"),
+        (dict(response_format="ogg"), openai.BadRequestError, 400, "response_format"),
+        (dict(stream_format="sse"), openai.BadRequestError, 400, "stream_format"),
+        (dict(extra_body={"sampling": 1}), openai.BadRequestError, 400, "sampling"),
+    ],
+)
 def test_errors_are_openai_style(client, kwargs, error, status, param):
     with pytest.raises(error) as info:
         speak(client, **kwargs)
@@ -169,10 +217,15 @@ def test_errors_are_openai_style(client, kwargs, error, status, param):
 
 def test_malformed_bodies_are_400_and_the_server_stays_up(deployment, client, reference):
     url = deployment.http_url + "v1/audio/speech"
-    malformed = (b"{not json", b"[1, 2]", json.dumps({"input": "hi", "voice": "tiny"}).encode(),
-                 json.dumps({"model": "tts-1", "input": "hi", "voice": "tiny",
-                             "response_format": ["mp3"]}).encode(),
-                 json.dumps({"model": "tts-1", "input": ["hi"], "voice": {"id": 3}}).encode())
+    malformed = (
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"input": "hi", "voice": "tiny"}).encode(),
+        json.dumps(
+            {"model": "tts-1", "input": "hi", "voice": "tiny", "response_format": ["mp3"]}
+        ).encode(),
+        json.dumps({"model": "tts-1", "input": ["hi"], "voice": {"id": 3}}).encode(),
+    )
     for data in malformed:
         req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as info:
@@ -184,14 +237,17 @@ def test_malformed_bodies_are_400_and_the_server_stays_up(deployment, client, re
 
 def test_a_stream_cut_by_a_failure_does_not_look_complete(tmp_path):
     """Once audio has gone out, an error cannot be a status: the connection is cut instead."""
-    local = LocalDeployment(make_tts_voice(tmp_path), threads={"text": 1, "vocoder": 1},
-                            http_port=0)
+    local = LocalDeployment(
+        make_tts_voice(tmp_path), threads={"text": 1, "vocoder": 1}, http_port=0
+    )
     local.start()
     try:
-        client = openai.OpenAI(base_url=local.http_url + "v1", api_key="unused", max_retries=0,
-                               timeout=120)
+        client = openai.OpenAI(
+            base_url=local.http_url + "v1", api_key="unused", max_retries=0, timeout=120
+        )
         with client.audio.speech.with_streaming_response.create(
-                model="tts-1", voice="tiny", input=LONG_TEXT, response_format="pcm") as response:
+            model="tts-1", voice="tiny", input=LONG_TEXT, response_format="pcm"
+        ) as response:
             chunks = response.iter_bytes()
             assert next(chunks)
             local.by_name("vocoder-service").proc.kill()  # the only vocoder replica dies

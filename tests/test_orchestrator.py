@@ -28,8 +28,12 @@ def voice_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(voice_dir):
-    local = LocalDeployment(voice_dir, threads={"text": 1, "vocoder": 1},
-                            metrics_ports=(0, 0, 0), text_args=["--log-level", "info"])
+    local = LocalDeployment(
+        voice_dir,
+        threads={"text": 1, "vocoder": 1},
+        metrics_ports=(0, 0, 0),
+        text_args=["--log-level", "info"],
+    )
     local.start()
     yield local
     local.stop()
@@ -54,7 +58,7 @@ def pcm(chunks) -> np.ndarray:
 
 
 def snr_db(ref, test) -> float:
-    return float(10 * np.log10(np.sum(ref ** 2) / max(np.sum((ref - test) ** 2), 1e-20)))
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - test) ** 2), 1e-20)))
 
 
 def test_synthesize_equals_offline_vocoding_of_the_same_tokens(deployment, voice_dir):
@@ -64,14 +68,19 @@ def test_synthesize_equals_offline_vocoding_of_the_same_tokens(deployment, voice
     # The same two sentences straight through the text service, then vocoded offline.
     voice = load_voice(voice_dir)
     import json
+
     manifest = json.loads((voice_dir / "voice.json").read_text())
     lo = manifest["speech_token_range"][0]
     tokens = []
     with grpc.insecure_channel(deployment.by_name("text-service").address) as ch:
         for i, sentence in enumerate(["hello there.", "this is a test"]):
-            req = text_pb2.GenerateRequest(text=f"<bos>{sentence}<sep>", max_tokens=48,
-                                           stop_token_ids=[3], sampling=text_pb2.SamplingConfig(seed=3 + i),
-                                           allowed_tokens=text_pb2.TokenRange(start=lo, end=lo + 63))
+            req = text_pb2.GenerateRequest(
+                text=f"<bos>{sentence}<sep>",
+                max_tokens=48,
+                stop_token_ids=[3],
+                sampling=text_pb2.SamplingConfig(seed=3 + i),
+                allowed_tokens=text_pb2.TokenRange(start=lo, end=lo + 63),
+            )
             for r in text_pb2_grpc.TextGenerationStub(ch).Generate(req, timeout=60):
                 tokens += [t - lo for t in r.token_ids if lo <= t <= lo + 63]
     mel = voice.token_decoder.decode(np.array(tokens))
@@ -79,7 +88,9 @@ def test_synthesize_equals_offline_vocoding_of_the_same_tokens(deployment, voice
     assert len(audio) == len(offline) == len(tokens) * 2 * 256
     assert snr_db(offline, audio) >= 40.0
     assert [c.sequence_number for c in chunks] == list(range(len(chunks)))
-    assert all(b.first_sample == a.first_sample + len(a.audio) // 2 for a, b in zip(chunks, chunks[1:]))
+    assert all(
+        b.first_sample == a.first_sample + len(a.audio) // 2 for a, b in zip(chunks, chunks[1:])
+    )
     assert report.num_segments == 2 and report.num_speech_tokens == len(tokens)
     assert 0 < report.ttft_ms and 0 < report.ttfa_ms <= report.total_ms
     assert report.audio_s == pytest.approx(len(audio) / 22050, rel=1e-6)
@@ -115,9 +126,18 @@ def test_streaming_synthesize_starts_audio_before_the_last_piece(deployment):
     assert report.num_segments >= 2 and report.audio_s > 0
 
 
-@pytest.mark.parametrize("encoding,rate,used", [
-    (pb.WAV, 0, 22050), (pb.FLAC, 16000, 16000), (pb.OGG_OPUS, 0, 24000), (pb.MP3, 0, 22050),
-    (pb.MULAW, 0, 8000), (pb.ALAW, 16000, 16000), (pb.AAC, 0, 22050)])
+@pytest.mark.parametrize(
+    "encoding,rate,used",
+    [
+        (pb.WAV, 0, 22050),
+        (pb.FLAC, 16000, 16000),
+        (pb.OGG_OPUS, 0, 24000),
+        (pb.MP3, 0, 22050),
+        (pb.MULAW, 0, 8000),
+        (pb.ALAW, 16000, 16000),
+        (pb.AAC, 0, 22050),
+    ],
+)
 def test_encodings(deployment, encoding, rate, used):
     import io
 
@@ -125,8 +145,11 @@ def test_encodings(deployment, encoding, rate, used):
 
     from orchestrator.encoders import fill_in_sizes
 
-    chunks, report = synthesize(deployment.address, text="hi there",
-                                audio_config=pb.AudioConfig(encoding=encoding, sample_rate_hz=rate))
+    chunks, report = synthesize(
+        deployment.address,
+        text="hi there",
+        audio_config=pb.AudioConfig(encoding=encoding, sample_rate_hz=rate),
+    )
     assert all(c.sample_rate_hz == used for c in chunks)
     blob = io.BytesIO(b"".join(c.audio for c in chunks))
     samples = sum(round(c.duration_s * used) for c in chunks)
@@ -134,22 +157,40 @@ def test_encodings(deployment, encoding, rate, used):
     if encoding == pb.AAC:  # libsndfile has no AAC: FFmpeg decodes it
         import subprocess
 
-        r = subprocess.run(["ffmpeg", "-v", "error", "-i", "pipe:0", "-f", "s16le", "pipe:1"],
-                           input=blob.getvalue(), capture_output=True, timeout=60)
+        r = subprocess.run(
+            ["ffmpeg", "-v", "error", "-i", "pipe:0", "-f", "s16le", "pipe:1"],
+            input=blob.getvalue(),
+            capture_output=True,
+            timeout=60,
+        )
         assert r.returncode == 0 and len(r.stdout) // 2 >= samples > 0
         return
     if encoding == pb.FLAC:  # streamed FLAC says "length unknown"; as tts-cli does for a file
         fill_in_sizes(blob, 0, "FLAC", samples)
-    raw = dict(samplerate=used, channels=1, format="RAW", subtype=pb.AudioEncoding.Name(
-        encoding).replace("MU", "U")) if encoding in (pb.MULAW, pb.ALAW) else {}
+    raw = (
+        dict(
+            samplerate=used,
+            channels=1,
+            format="RAW",
+            subtype=pb.AudioEncoding.Name(encoding).replace("MU", "U"),
+        )
+        if encoding in (pb.MULAW, pb.ALAW)
+        else {}
+    )
     data, sr = sf.read(io.BytesIO(blob.getvalue()), **raw)
     assert sr == used and len(data) >= samples > 0
 
 
 def test_speaking_rate_changes_duration(deployment):
-    _, normal = synthesize(deployment.address, text="a quick test", sampling=pb.SamplingConfig(seed=1))
-    _, fast = synthesize(deployment.address, text="a quick test", sampling=pb.SamplingConfig(seed=1),
-                         audio_config=pb.AudioConfig(speaking_rate=2.0))
+    _, normal = synthesize(
+        deployment.address, text="a quick test", sampling=pb.SamplingConfig(seed=1)
+    )
+    _, fast = synthesize(
+        deployment.address,
+        text="a quick test",
+        sampling=pb.SamplingConfig(seed=1),
+        audio_config=pb.AudioConfig(speaking_rate=2.0),
+    )
     assert fast.audio_s == pytest.approx(normal.audio_s / 2, rel=0.05)
 
 
@@ -168,16 +209,28 @@ BAD = {
     "nothing to say": (dict(text="... !!"), INVALID, "nothing to speak"),
     "text too long": (dict(text="a" * 5001), INVALID, "exceed the limit of 5000"),
     "unknown voice": (dict(text="hi", voice="nobody"), grpc.StatusCode.NOT_FOUND, "unknown voice"),
-    "unsupported encoding": (dict(text="hi", audio_config=pb.AudioConfig(encoding=99)), INVALID,
-                             "audio_config.encoding: unsupported value 99; use one of "
-                             + ", ".join(pb.AudioEncoding.keys()[1:])),  # all but UNSPECIFIED
-    "bad sample rate": (dict(text="hi", audio_config=pb.AudioConfig(sample_rate_hz=5)), INVALID,
-                        "audio_config.sample_rate_hz"),
-    "speaking rate too fast": (dict(text="hi", audio_config=pb.AudioConfig(speaking_rate=3.0)),
-                               INVALID, "speaking_rate"),
+    "unsupported encoding": (
+        dict(text="hi", audio_config=pb.AudioConfig(encoding=99)),
+        INVALID,
+        "audio_config.encoding: unsupported value 99; use one of "
+        + ", ".join(pb.AudioEncoding.keys()[1:]),
+    ),  # all but UNSPECIFIED
+    "bad sample rate": (
+        dict(text="hi", audio_config=pb.AudioConfig(sample_rate_hz=5)),
+        INVALID,
+        "audio_config.sample_rate_hz",
+    ),
+    "speaking rate too fast": (
+        dict(text="hi", audio_config=pb.AudioConfig(speaking_rate=3.0)),
+        INVALID,
+        "speaking_rate",
+    ),
     "language not spoken": (dict(text="hi", language_code="fr-FR"), INVALID, "language_code"),
-    "negative temperature": (dict(text="hi", sampling=pb.SamplingConfig(temperature=-1)), INVALID,
-                             "sampling.temperature"),
+    "negative temperature": (
+        dict(text="hi", sampling=pb.SamplingConfig(temperature=-1)),
+        INVALID,
+        "sampling.temperature",
+    ),
 }
 
 
@@ -190,14 +243,28 @@ def test_bad_input(deployment, case):
     assert match in err.value.details()
 
 
-@pytest.mark.parametrize("messages,match", [
-    ([pb.StreamingSynthesizeRequest(text="hello")], "first message must be a StreamingSynthesizeConfig"),
-    ([], "first message must be a StreamingSynthesizeConfig"),
-    ([pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig()),
-      pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig())], "config: sent twice"),
-    ([pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig())], "no text arrived"),
-    ([pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig(voice="nobody"))], "unknown voice"),
-])
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        (
+            [pb.StreamingSynthesizeRequest(text="hello")],
+            "first message must be a StreamingSynthesizeConfig",
+        ),
+        ([], "first message must be a StreamingSynthesizeConfig"),
+        (
+            [
+                pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig()),
+                pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig()),
+            ],
+            "config: sent twice",
+        ),
+        ([pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig())], "no text arrived"),
+        (
+            [pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig(voice="nobody"))],
+            "unknown voice",
+        ),
+    ],
+)
 def test_malformed_streaming_synthesize(deployment, messages, match):
     ch, stub = tts(deployment.address)
     with ch, pytest.raises(grpc.RpcError) as err:
@@ -210,11 +277,16 @@ def backends_idle(deployment, timeout: float = 20.0) -> tuple[int, int, int]:
     deadline = time.monotonic() + timeout
     while True:
         with grpc.insecure_channel(deployment.by_name("text-service").address) as ch:
-            mi = text_pb2_grpc.TextGenerationStub(ch).GetModelInfo(text_pb2.GetModelInfoRequest(), timeout=5)
+            mi = text_pb2_grpc.TextGenerationStub(ch).GetModelInfo(
+                text_pb2.GetModelInfoRequest(), timeout=5
+            )
         with grpc.insecure_channel(deployment.by_name("vocoder-service").address) as ch:
             vi = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(vocoder_pb2.GetInfoRequest(), timeout=5)
-        state = (mi.num_used_blocks + mi.num_running + mi.num_waiting, mi.num_used_state_slots,
-                 vi.active_streams)
+        state = (
+            mi.num_used_blocks + mi.num_running + mi.num_waiting,
+            mi.num_used_state_slots,
+            vi.active_streams,
+        )
         if state == (0, 0, 0) or time.monotonic() > deadline:
             return state
 
@@ -227,8 +299,14 @@ def test_cancel_releases_both_downstream_streams(deployment):
         next(call)  # audio is flowing: both downstream streams are open
         call.cancel()
     assert backends_idle(deployment) == (0, 0, 0)
-    text = __import__("urllib.request").request.urlopen(
-        f"http://127.0.0.1:{deployment.by_name('orchestrator').metrics_port}/metrics", timeout=5).read().decode()
+    text = (
+        __import__("urllib.request")
+        .request.urlopen(
+            f"http://127.0.0.1:{deployment.by_name('orchestrator').metrics_port}/metrics", timeout=5
+        )
+        .read()
+        .decode()
+    )
     assert metric_value(text, "splittts_tts_requests_in_flight") == 0.0
 
 
@@ -237,8 +315,11 @@ def test_concurrent_calls_with_the_same_request_id_both_complete(deployment):
 
     def call():
         try:
-            results.append(synthesize(deployment.address, text="the same id twice, at once",
-                                      request_id="same-id"))
+            results.append(
+                synthesize(
+                    deployment.address, text="the same id twice, at once", request_id="same-id"
+                )
+            )
         except grpc.RpcError as exc:  # pragma: no cover - the failure this test guards against
             errors.append(exc)
 
@@ -255,13 +336,27 @@ def test_metrics_and_trace_propagation(deployment):
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     ch, stub = tts(deployment.address)
     with ch:
-        list(stub.Synthesize(pb.SynthesizeRequest(text="trace me", request_id="traced"),
-                             metadata=(("traceparent", f"00-{trace}-00f067aa0ba902b7-01"),), timeout=60))
+        list(
+            stub.Synthesize(
+                pb.SynthesizeRequest(text="trace me", request_id="traced"),
+                metadata=(("traceparent", f"00-{trace}-00f067aa0ba902b7-01"),),
+                timeout=60,
+            )
+        )
     import urllib.request
-    text = urllib.request.urlopen(
-        f"http://127.0.0.1:{deployment.by_name('orchestrator').metrics_port}/metrics", timeout=5).read().decode()
-    for name in ("splittts_tts_ttfa_seconds_count", "splittts_tts_rtf_count",
-                 "splittts_tts_time_to_first_token_seconds_count"):
+
+    text = (
+        urllib.request.urlopen(
+            f"http://127.0.0.1:{deployment.by_name('orchestrator').metrics_port}/metrics", timeout=5
+        )
+        .read()
+        .decode()
+    )
+    for name in (
+        "splittts_tts_ttfa_seconds_count",
+        "splittts_tts_rtf_count",
+        "splittts_tts_time_to_first_token_seconds_count",
+    ):
         assert (metric_value(text, name) or 0) > 0, name
     deadline = time.monotonic() + 10
     log = deployment.by_name("text-service").stderr_tail
@@ -272,12 +367,31 @@ def test_metrics_and_trace_propagation(deployment):
 
 def test_dead_replica_is_skipped(voice_dir):
     """Two text-service replicas; one is killed between requests; requests keep succeeding."""
-    a = start_service("text-a", "text_service", ["--model", str(voice_dir / "lm"), "--threads", "1"])
-    b = start_service("text-b", "text_service", ["--model", str(voice_dir / "lm"), "--threads", "1"])
+    a = start_service(
+        "text-a", "text_service", ["--model", str(voice_dir / "lm"), "--threads", "1"]
+    )
+    b = start_service(
+        "text-b", "text_service", ["--model", str(voice_dir / "lm"), "--threads", "1"]
+    )
     v = start_service("vocoder", "vocoder_service", ["--voice", str(voice_dir), "--threads", "1"])
-    o = start_service("orchestrator", "orchestrator", ["--voice", str(voice_dir), "--text-service",
-                      a.address, "--text-service", b.address, "--vocoder-service", v.address,
-                      "--health-interval", "30", "--http-port", "-1"])
+    o = start_service(
+        "orchestrator",
+        "orchestrator",
+        [
+            "--voice",
+            str(voice_dir),
+            "--text-service",
+            a.address,
+            "--text-service",
+            b.address,
+            "--vocoder-service",
+            v.address,
+            "--health-interval",
+            "30",
+            "--http-port",
+            "-1",
+        ],
+    )
     try:
         for _ in range(2):
             synthesize(o.address, text="both alive")
@@ -299,35 +413,60 @@ def cli(*args: str, stdin: str | None = None):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_synthesize_against_server(deployment, tmp_path):
     import soundfile as sf
 
     out = tmp_path / "hello.wav"
-    r = cli("synthesize", "hello from the command line", "-o", str(out), "--server",
-            deployment.address, "--seed", "4")
+    r = cli(
+        "synthesize",
+        "hello from the command line",
+        "-o",
+        str(out),
+        "--server",
+        deployment.address,
+        "--seed",
+        "4",
+    )
     assert r.returncode == 0, r.stderr
     audio, rate = sf.read(out)
     assert rate == 22050 and len(audio) > 0
     assert "TTFA" in r.stderr and "RTF" in r.stderr and "TTFT" in r.stderr
     flac = tmp_path / "x.flac"
-    r = cli("synthesize", "-", "-o", str(flac), "--server", deployment.address,
-            "--sample-rate", "16000", stdin="read from stdin")
+    r = cli(
+        "synthesize",
+        "-",
+        "-o",
+        str(flac),
+        "--server",
+        deployment.address,
+        "--sample-rate",
+        "16000",
+        stdin="read from stdin",
+    )
     assert r.returncode == 0, r.stderr
     assert sf.info(flac).samplerate == 16000 and sf.info(flac).format == "FLAC"
 
 
-@pytest.mark.parametrize("args,match", [
-    (["synthesize", "", "-o", "x.wav"], "TEXT is empty"),
-    (["synthesize", "hi", "-o", "x.wav", "--voice", "nobody"], "NOT_FOUND"),
-    (["synthesize", "hi", "-o", "x.wav", "--speaking-rate", "9"], "--speaking-rate"),
-    (["synthesize", "hi", "-o", "x.wav", "--format", "aiff"], "--format"),
-    (["synthesize", "hi", "-o", "x.wav", "--sample-rate", "5"], "--sample-rate"),
-    (["synthesize", "hi", "-o", "x.wav", "--bogus"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["synthesize", "", "-o", "x.wav"], "TEXT is empty"),
+        (["synthesize", "hi", "-o", "x.wav", "--voice", "nobody"], "NOT_FOUND"),
+        (["synthesize", "hi", "-o", "x.wav", "--speaking-rate", "9"], "--speaking-rate"),
+        (["synthesize", "hi", "-o", "x.wav", "--format", "aiff"], "--format"),
+        (["synthesize", "hi", "-o", "x.wav", "--sample-rate", "5"], "--sample-rate"),
+        (["synthesize", "hi", "-o", "x.wav", "--bogus"], "unrecognized arguments"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(deployment, tmp_path, args, match):
     r = cli(*args, "--server", deployment.address)
     assert r.returncode == 2
@@ -335,8 +474,16 @@ def test_cli_bad_input_exits_2_with_one_line(deployment, tmp_path, args, match):
 
 
 def test_cli_service_failure_exits_1(tmp_path):
-    r = cli("synthesize", "hi", "-o", str(tmp_path / "x.wav"), "--server", "127.0.0.1:1",
-            "--timeout", "5")
+    r = cli(
+        "synthesize",
+        "hi",
+        "-o",
+        str(tmp_path / "x.wav"),
+        "--server",
+        "127.0.0.1:1",
+        "--timeout",
+        "5",
+    )
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
 
 
@@ -345,7 +492,9 @@ def test_cli_voices_and_bench(deployment):
 
     r = cli("voices", "--server", deployment.address, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)[0]["name"] == "tiny"
-    r = cli("bench", "--server", deployment.address, "--concurrency", "1,2", "--requests", "2", "--json")
+    r = cli(
+        "bench", "--server", deployment.address, "--concurrency", "1,2", "--requests", "2", "--json"
+    )
     assert r.returncode == 0, r.stderr
     levels = json.loads(r.stdout)["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2]

@@ -26,8 +26,11 @@ def voice_dir(tmp_path_factory):
 
 def health(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        return (
+            health_pb2_grpc.HealthStub(ch)
+            .Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            .status
+        )
 
 
 def wait_health(address: str, want: int, timeout: float = 30.0) -> None:
@@ -42,19 +45,37 @@ def wait_health(address: str, want: int, timeout: float = 30.0) -> None:
 
 def test_health_follows_the_backends(voice_dir):
     def text(port: int = 0):
-        return start_service("text-service", "text_service",
-                             ["--model", str(voice_dir / "lm"), "--threads", "1",
-                              "--kv-cache-memory", "32MiB"], port=port)
+        return start_service(
+            "text-service",
+            "text_service",
+            ["--model", str(voice_dir / "lm"), "--threads", "1", "--kv-cache-memory", "32MiB"],
+            port=port,
+        )
 
     def vocoder(port: int = 0):
-        return start_service("vocoder-service", "vocoder_service",
-                             ["--voice", str(voice_dir), "--threads", "1"], port=port)
+        return start_service(
+            "vocoder-service",
+            "vocoder_service",
+            ["--voice", str(voice_dir), "--threads", "1"],
+            port=port,
+        )
 
     procs = [text(), vocoder()]
     try:
-        orch = start_service("orchestrator", "orchestrator",
-                             ["--voice", str(voice_dir), "--text-service", procs[0].address,
-                              "--vocoder-service", procs[1].address, "--health-interval", "0.2"])
+        orch = start_service(
+            "orchestrator",
+            "orchestrator",
+            [
+                "--voice",
+                str(voice_dir),
+                "--text-service",
+                procs[0].address,
+                "--vocoder-service",
+                procs[1].address,
+                "--health-interval",
+                "0.2",
+            ],
+        )
         procs.append(orch)
         wait_health(orch.address, SERVING)
         for i, restart in ((0, text), (1, vocoder)):
@@ -65,8 +86,11 @@ def test_health_follows_the_backends(voice_dir):
             procs[i] = restart(port=down.port)
             wait_health(orch.address, SERVING)
         with grpc.insecure_channel(orch.address) as ch:  # and it routes to the new replicas
-            responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                pb.SynthesizeRequest(text="hello there"), timeout=120))
+            responses = list(
+                tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                    pb.SynthesizeRequest(text="hello there"), timeout=120
+                )
+            )
         assert responses[-1].HasField("report") and responses[0].HasField("audio")
     finally:
         for p in reversed(procs):

@@ -15,8 +15,9 @@ ENGLISH = "I have 3 apples."
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    local = LocalDeployment(make_tts_voice(tmp_path_factory.mktemp("voices")),
-                            threads={"text": 1, "vocoder": 1})
+    local = LocalDeployment(
+        make_tts_voice(tmp_path_factory.mktemp("voices")), threads={"text": 1, "vocoder": 1}
+    )
     local.start()
     yield local
     local.stop()
@@ -24,20 +25,27 @@ def deployment(tmp_path_factory):
 
 def streamed(deployment, text: str, language_code: str = "") -> bytes:
     """PCM of a StreamingSynthesize call (the tiny voice samples greedily: same input, same audio)."""
-    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # as a chatbot streams it
-    requests = [pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig(
-        language_code=language_code))] + [pb.StreamingSynthesizeRequest(text=p) for p in pieces]
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # as a chatbot streams it
+    requests = [
+        pb.StreamingSynthesizeRequest(
+            config=pb.StreamingSynthesizeConfig(language_code=language_code)
+        )
+    ] + [pb.StreamingSynthesizeRequest(text=p) for p in pieces]
     with grpc.insecure_channel(deployment.address) as ch:
-        responses = list(tts_pb2_grpc.TextToSpeechStub(ch).StreamingSynthesize(
-            iter(requests), timeout=120))
+        responses = list(
+            tts_pb2_grpc.TextToSpeechStub(ch).StreamingSynthesize(iter(requests), timeout=120)
+        )
     assert responses[-1].HasField("report")
     return b"".join(r.audio.audio for r in responses if r.HasField("audio"))
 
 
 def whole(deployment, text: str, language_code: str = "") -> bytes:
     with grpc.insecure_channel(deployment.address) as ch:
-        responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-            pb.SynthesizeRequest(text=text, language_code=language_code), timeout=120))
+        responses = list(
+            tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                pb.SynthesizeRequest(text=text, language_code=language_code), timeout=120
+            )
+        )
     return b"".join(r.audio.audio for r in responses if r.HasField("audio"))
 
 
@@ -54,6 +62,6 @@ def test_each_sentence_gets_its_own_language(deployment):
     # One vocoder stream spans both sentences, so only the samples near the join may differ;
     # the length is the sum of each sentence's speech tokens, read in its own language.
     assert len(auto) == len(english) + len(mandarin)
-    assert auto[:len(english) // 2] == english[:len(english) // 2]
+    assert auto[: len(english) // 2] == english[: len(english) // 2]
     assert auto != whole(deployment, mixed, "en-US") and auto != whole(deployment, mixed, "cmn-CN")
     assert len(streamed(deployment, f"{MANDARIN}{ENGLISH}")) == len(mandarin) + len(english)

@@ -24,10 +24,18 @@ def scrape(port: int, name: str) -> float:
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
     voice_dir = make_tts_voice(tmp_path_factory.mktemp("voices"))
-    text = start_service("text-service", "text_service", ["--model", str(voice_dir / "lm"),
-                         "--threads", "1", "--kv-cache-memory", "32MiB"], metrics_port=0)
-    vocoder = start_service("vocoder-service", "vocoder_service",
-                            ["--voice", str(voice_dir), "--threads", "1"], metrics_port=0)
+    text = start_service(
+        "text-service",
+        "text_service",
+        ["--model", str(voice_dir / "lm"), "--threads", "1", "--kv-cache-memory", "32MiB"],
+        metrics_port=0,
+    )
+    vocoder = start_service(
+        "vocoder-service",
+        "vocoder_service",
+        ["--voice", str(voice_dir), "--threads", "1"],
+        metrics_port=0,
+    )
     yield voice_dir, text, vocoder
     for p in (text, vocoder):
         p.proc.terminate()
@@ -39,16 +47,30 @@ def test_start_up_runs_one_synthesis_through_both_backends(backends):
     generated = "splittts_text_time_to_first_token_seconds_count"
     streams = 'splittts_vocoder_streams_total{outcome="ok"}'
     before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, streams)
-    orch = start_service("orchestrator", "orchestrator", [
-        "--voice", str(voice_dir), "--text-service", text.address,
-        "--vocoder-service", vocoder.address, "--http-port", "0"])
+    orch = start_service(
+        "orchestrator",
+        "orchestrator",
+        [
+            "--voice",
+            str(voice_dir),
+            "--text-service",
+            text.address,
+            "--vocoder-service",
+            vocoder.address,
+            "--http-port",
+            "0",
+        ],
+    )
     try:
         # serving, and nobody has called it yet: the backends' work is the warm-up's
         assert scrape(text.metrics_port, generated) > before[0]
         assert scrape(vocoder.metrics_port, streams) == before[1] + 1
         with grpc.insecure_channel(orch.address) as ch:  # and it still serves callers as ever
-            replies = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                pb.SynthesizeRequest(text="Hello there."), timeout=120))
+            replies = list(
+                tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                    pb.SynthesizeRequest(text="Hello there."), timeout=120
+                )
+            )
         assert replies[-1].HasField("report") and replies[-1].report.audio_s > 0
     finally:
         orch.proc.terminate()
@@ -60,9 +82,21 @@ def test_start_up_does_not_wait_for_a_backend_that_is_down(backends):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         unused_port = s.getsockname()[1]
-    orch = start_service("orchestrator", "orchestrator", [
-        "--voice", str(voice_dir), "--text-service", text.address,
-        "--vocoder-service", f"127.0.0.1:{unused_port}", "--http-port", "-1"], timeout_s=60)
+    orch = start_service(
+        "orchestrator",
+        "orchestrator",
+        [
+            "--voice",
+            str(voice_dir),
+            "--text-service",
+            text.address,
+            "--vocoder-service",
+            f"127.0.0.1:{unused_port}",
+            "--http-port",
+            "-1",
+        ],
+        timeout_s=60,
+    )
     try:
         assert orch.proc.poll() is None  # serving (NOT_SERVING in health until it comes up)
     finally:

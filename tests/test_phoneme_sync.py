@@ -1,6 +1,7 @@
 """Phoneme-synchronous decoding: the batched sampler rule against a per-row reference, and the
 engine against a reference decoder on a tiny random model through chunked prefill, batching,
 preemption and prefix-cache hits, greedy and seeded."""
+
 import math
 
 import numpy as np
@@ -20,8 +21,9 @@ PROMPT = [1, 7, 9, 11, 40, 12, 2]
 
 def sync(phonemes, mins=None, maxs=None, cap=6) -> PhonemeSync:
     n = len(phonemes)
-    return PhonemeSync(tuple(phonemes), (LO, HI), END, tuple(mins or (0,) * n),
-                       tuple(maxs or (cap,) * n))
+    return PhonemeSync(
+        tuple(phonemes), (LO, HI), END, tuple(mins or (0,) * n), tuple(maxs or (cap,) * n)
+    )
 
 
 def reference_row(logits: list[float], c: PhonemeSync, state: PhonemeSyncState) -> list[float]:
@@ -45,13 +47,29 @@ def test_batched_rule_matches_the_per_row_reference():
     logits = torch.randn(len(states), 256, generator=gen, dtype=torch.float64) * 3
     lo = torch.full((len(states),), LO)
     hi = torch.full((len(states),), HI)
-    bounds = [s.bounds(c) if s.num_phonemes == 0 or s.run <= c.max_tokens[s.num_phonemes - 1]
-              else (True, True) for s in states]
-    got = apply_phoneme_sync(logits, lo, hi, torch.tensor([s.next_id(c) for s in states]),
-                             torch.tensor([b[0] for b in bounds]), torch.tensor([b[1] for b in bounds]))
+    bounds = [
+        s.bounds(c)
+        if s.num_phonemes == 0 or s.run <= c.max_tokens[s.num_phonemes - 1]
+        else (True, True)
+        for s in states
+    ]
+    got = apply_phoneme_sync(
+        logits,
+        lo,
+        hi,
+        torch.tensor([s.next_id(c) for s in states]),
+        torch.tensor([b[0] for b in bounds]),
+        torch.tensor([b[1] for b in bounds]),
+    )
     shared = logits.clone()
-    apply_phoneme_sync_shared(shared, LO, HI, torch.tensor([s.next_id(c) for s in states]),
-                              np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds]))
+    apply_phoneme_sync_shared(
+        shared,
+        LO,
+        HI,
+        torch.tensor([s.next_id(c) for s in states]),
+        np.array([b[0] for b in bounds]),
+        np.array([b[1] for b in bounds]),
+    )
     for row, state in enumerate(states):
         want = torch.tensor(reference_row(logits[row].tolist(), c, state), dtype=torch.float64)
         assert torch.allclose(got[row], want, atol=1e-9), state
@@ -64,8 +82,11 @@ def test_only_rows_with_a_constraint_change_and_non_finite_logits_give_valid_ids
     logits[1, 7] = float("inf")  # an overflowed logit in the constrained row
     logits[2] = float("nan")  # a broken row without a constraint
     plain = logits[0].clone()
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, phoneme_sync=c),
-              SamplingParams(temperature=1, seed=3)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, phoneme_sync=c),
+        SamplingParams(temperature=1, seed=3),
+    ]
     tokens = Sampler(256)(logits, params, [None] * 3, [0] * 3, [None, c.initial_state(), None])
     assert tokens[0] == int(plain.argmax()) and torch.equal(logits[0], plain)
     assert tokens[1] == 5  # the first phoneme opens the output whatever the logits say
@@ -104,8 +125,9 @@ def reference_greedy(hf, prompt: list[int], c: PhonemeSync, max_tokens: int) -> 
 
 CONSTRAINTS = {
     "cap": sync([5, 9, 5, 12, 13, 5, 14, 15], cap=5),
-    "band": sync([5, 9, 5, 12, 13, 5, 14, 15], mins=[1, 0, 2, 1, 0, 3, 1, 0],
-                 maxs=[4, 3, 6, 2, 5, 5, 3, 8]),
+    "band": sync(
+        [5, 9, 5, 12, 13, 5, 14, 15], mins=[1, 0, 2, 1, 0, 3, 1, 0], maxs=[4, 3, 6, 2, 5, 5, 3, 8]
+    ),
     "schedule": sync([5, 9, 5, 12, 13, 5], mins=[2, 0, 3, 1, 4, 2], maxs=[2, 0, 3, 1, 4, 2]),
 }
 
@@ -155,11 +177,11 @@ def _requests():
     out = []
     for i, (_, c) in enumerate(sorted(CONSTRAINTS.items())):
         prompt = PROMPT + [16 + i] * (5 + 7 * i)
-        for params in (SamplingParams(temperature=0, max_tokens=80, phoneme_sync=c),
-                       SamplingParams(temperature=1.0, top_k=40, seed=11 + i, max_tokens=80,
-                                      phoneme_sync=c),
-                       SamplingParams(temperature=0.8, top_p=0.9, seed=5 + i, max_tokens=80,
-                                      phoneme_sync=c)):
+        for params in (
+            SamplingParams(temperature=0, max_tokens=80, phoneme_sync=c),
+            SamplingParams(temperature=1.0, top_k=40, seed=11 + i, max_tokens=80, phoneme_sync=c),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=5 + i, max_tokens=80, phoneme_sync=c),
+        ):
             out.append((prompt, params))
     return out
 
@@ -172,9 +194,11 @@ def test_identical_through_chunked_prefill_preemption_and_prefix_hits(model, con
     want = [base.generate([p], sp)[0] for p, sp in requests]  # one at a time
     for out, (_, sp) in zip(want, requests):
         check_structure(out, sp.phoneme_sync)
-    kwargs = {"chunked": dict(max_num_batched_tokens=8, max_num_seqs=4),
-              "preempt": dict(block_size=4, num_kv_blocks=48, max_model_len=180),
-              "prefix_hit": dict(block_size=4)}[config]
+    kwargs = {
+        "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4),
+        "preempt": dict(block_size=4, num_kv_blocks=48, max_model_len=180),
+        "prefix_hit": dict(block_size=4),
+    }[config]
     engine = LLMEngine(EngineArgs(str(path), device="cpu", kv_cache_memory_bytes=1 << 24, **kwargs))
     if config == "prefix_hit":
         engine.generate([p for p, _ in requests], [sp for _, sp in requests])
@@ -188,17 +212,20 @@ def test_identical_through_chunked_prefill_preemption_and_prefix_hits(model, con
     assert stats["num_used_blocks"] == 0
 
 
-@pytest.mark.parametrize("c, max_tokens, field", [
-    (PhonemeSync((), (LO, HI), END, (), ()), 50, "phoneme_sync.phoneme_ids"),
-    (sync([5, 300]), 50, "phoneme_sync.phoneme_ids"),
-    (sync([5, 120]), 50, "phoneme_sync.phoneme_ids"),  # a phoneme inside the speech range
-    (sync([5, 6], maxs=[0, 0]), 50, "phoneme_sync.max_tokens"),
-    (sync([5, 6], mins=[3, 0], maxs=[2, 4]), 50, "phoneme_sync.min_tokens"),
-    (sync([5, 6], mins=[1]), 50, "phoneme_sync.min_tokens"),
-    (PhonemeSync((5,), (LO, HI), 150, (0,), (4,)), 50, "phoneme_sync.end_token_id"),
-    (PhonemeSync((5,), (HI, LO), END, (0,), (4,)), 50, "phoneme_sync.speech_tokens"),
-    (sync([5, 6], mins=[20, 20], maxs=[20, 20]), 30, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "c, max_tokens, field",
+    [
+        (PhonemeSync((), (LO, HI), END, (), ()), 50, "phoneme_sync.phoneme_ids"),
+        (sync([5, 300]), 50, "phoneme_sync.phoneme_ids"),
+        (sync([5, 120]), 50, "phoneme_sync.phoneme_ids"),  # a phoneme inside the speech range
+        (sync([5, 6], maxs=[0, 0]), 50, "phoneme_sync.max_tokens"),
+        (sync([5, 6], mins=[3, 0], maxs=[2, 4]), 50, "phoneme_sync.min_tokens"),
+        (sync([5, 6], mins=[1]), 50, "phoneme_sync.min_tokens"),
+        (PhonemeSync((5,), (LO, HI), 150, (0,), (4,)), 50, "phoneme_sync.end_token_id"),
+        (PhonemeSync((5,), (HI, LO), END, (0,), (4,)), 50, "phoneme_sync.speech_tokens"),
+        (sync([5, 6], mins=[20, 20], maxs=[20, 20]), 30, "max_tokens"),
+    ],
+)
 def test_unsatisfiable_constraints_are_refused(c, max_tokens, field):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(max_tokens=max_tokens, phoneme_sync=c).validate(256, 512, 4)

@@ -1,4 +1,5 @@
 """Sampler semantics on hand-made logits: greedy, temperature, top-k/p, penalties, ranges, seeds."""
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,8 @@ N = 4000  # rows per distribution check: frequencies within 0.03 (several sigma)
 def sample(params, logits, histories=None, steps=None, eos=(), seed=0):
     rows = logits.shape[0]
     return Sampler(logits.shape[1], eos_token_ids=eos, seed=seed)(
-        logits.clone(), params, histories or [None] * rows, steps or [0] * rows)
+        logits.clone(), params, histories or [None] * rows, steps or [0] * rows
+    )
 
 
 def frequencies(params: SamplingParams, probs=PROBS) -> np.ndarray:
@@ -67,9 +69,11 @@ def kept_ids(values: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:
 def test_top_k_and_top_p_candidates():
     logits = torch.tensor([PROBS, PROBS, PROBS]).log()
     values, ids = top_k_top_p(logits, torch.tensor([3, 4, 1]), torch.tensor([0.9, 0.45, 1.0]))
-    assert kept_ids(values, ids) == [[0, 1, 2],  # top-3, and 0.5 + 0.3 < 0.9 keeps token 2
-                                     [0],  # top-p 0.45 is reached by token 0 alone
-                                     [0]]  # top-1
+    assert kept_ids(values, ids) == [
+        [0, 1, 2],  # top-3, and 0.5 + 0.3 < 0.9 keeps token 2
+        [0],  # top-p 0.45 is reached by token 0 alone
+        [0],
+    ]  # top-1
     finite = torch.isfinite(values)
     assert torch.equal(values[finite], logits.gather(1, ids)[finite])  # kept logits unchanged
 
@@ -109,8 +113,10 @@ def test_repetition_penalty_matches_hf_rule():
 def test_repetition_penalty_changes_the_greedy_choice_and_respects_the_window():
     logits = torch.tensor([[3.0, 2.5, 0.0, 0.0]]).repeat(2, 1)
     history = np.array([0, 2, 3])
-    params = [SamplingParams(temperature=0, repetition_penalty=2.0),  # 0 penalised: 1.5 < 2.5
-              SamplingParams(temperature=0, repetition_penalty=2.0, repetition_window=2)]
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=2.0),  # 0 penalised: 1.5 < 2.5
+        SamplingParams(temperature=0, repetition_penalty=2.0, repetition_window=2),
+    ]
     assert sample(params, logits, histories=[history, history]) == [1, 0]
 
 
@@ -118,10 +124,13 @@ def test_allowed_range_masks_all_but_range_and_stop_ids():
     logits = torch.zeros(3, 20)
     logits[:, 0] = 10.0  # the eos id is the best token everywhere
     logits[:, 19] = 5.0
-    params = [SamplingParams(temperature=0, allowed_token_range=(10, 15)),  # eos exempt
-              SamplingParams(temperature=0, allowed_token_range=(10, 15), ignore_eos=True),
-              SamplingParams(temperature=0, allowed_token_range=(10, 15), ignore_eos=True,
-                             stop_token_ids=(19,))]
+    params = [
+        SamplingParams(temperature=0, allowed_token_range=(10, 15)),  # eos exempt
+        SamplingParams(temperature=0, allowed_token_range=(10, 15), ignore_eos=True),
+        SamplingParams(
+            temperature=0, allowed_token_range=(10, 15), ignore_eos=True, stop_token_ids=(19,)
+        ),
+    ]
     assert sample(params, logits, eos=(0,)) == [0, 10, 19]
     many = SamplingParams(temperature=1.0, allowed_token_range=(3, 6), stop_token_ids=(12,))
     tokens = sample([many] * 500, torch.randn(500, 20, generator=torch.Generator().manual_seed(3)))
@@ -133,14 +142,25 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     seeded = SamplingParams(temperature=1.0, seed=1234)
     alone = [sample([seeded], row, steps=[s])[0] for s in range(20)]
     others = torch.randn(3, 64)
-    in_batch = [sample([SamplingParams(temperature=1.0), SamplingParams(temperature=0), seeded,
-                        SamplingParams(temperature=0.5, seed=9)],
-                       torch.cat([others[:2], row, others[2:]]), steps=[7, 0, s, s], seed=s)[2]
-                for s in range(20)]
+    in_batch = [
+        sample(
+            [
+                SamplingParams(temperature=1.0),
+                SamplingParams(temperature=0),
+                seeded,
+                SamplingParams(temperature=0.5, seed=9),
+            ],
+            torch.cat([others[:2], row, others[2:]]),
+            steps=[7, 0, s, s],
+            seed=s,
+        )[2]
+        for s in range(20)
+    ]
     assert alone == in_batch
     assert len(set(alone)) > 3  # each step draws afresh
-    other_seed = [sample([SamplingParams(temperature=1.0, seed=4321)], row, steps=[s])[0]
-                  for s in range(20)]
+    other_seed = [
+        sample([SamplingParams(temperature=1.0, seed=4321)], row, steps=[s])[0] for s in range(20)
+    ]
     assert other_seed != alone
 
 

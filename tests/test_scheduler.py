@@ -21,8 +21,15 @@ EOS = 2
 
 
 def config(**kw) -> EngineConfig:
-    base = dict(vocab_size=100, max_model_len=64, block_size=4, num_kv_blocks=32,
-                max_num_seqs=4, max_num_batched_tokens=16, eos_token_ids=(EOS,))
+    base = dict(
+        vocab_size=100,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        eos_token_ids=(EOS,),
+    )
     base.update(kw)
     return EngineConfig(**base)
 
@@ -42,30 +49,36 @@ def step(sched: Scheduler, token: int = 7, out: SchedulerOutput | None = None):
 
 def all_free(sched: Scheduler) -> bool:
     bm = sched.block_manager
-    return (bm.num_free_blocks == bm.num_blocks
-            and bm.state_slots.num_free == bm.state_slots.num_slots
-            and not sched.running and not sched.waiting)
+    return (
+        bm.num_free_blocks == bm.num_blocks
+        and bm.state_slots.num_free == bm.state_slots.num_slots
+        and not sched.running
+        and not sched.waiting
+    )
 
 
 # -- SamplingParams --------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=60), "max_tokens"),  # 10 + 60 > 64
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty"),
-    (dict(repetition_window=-1), "repetition_window"),
-    (dict(seed=-1), "seed"),
-    (dict(stop_token_ids=[100]), "stop_token_ids"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(allowed_token_range=(5, 4)), "allowed_token_range"),
-    (dict(allowed_token_range=(0, 100)), "allowed_token_range"),
-    (dict(allowed_token_range=(1,)), "allowed_token_range"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=60), "max_tokens"),  # 10 + 60 > 64
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(repetition_window=-1), "repetition_window"),
+        (dict(seed=-1), "seed"),
+        (dict(stop_token_ids=[100]), "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(allowed_token_range=(5, 4)), "allowed_token_range"),
+        (dict(allowed_token_range=(0, 100)), "allowed_token_range"),
+        (dict(allowed_token_range=(1,)), "allowed_token_range"),
+    ],
+)
 def test_sampling_params_reject_bad_values_naming_the_field(kwargs, field):
     kwargs = {"max_tokens": 16, **kwargs}
     SamplingParams(max_tokens=16).validate(vocab_size=100, max_model_len=64, prompt_len=10)
@@ -82,8 +95,16 @@ def test_sampling_params_reject_empty_and_overlong_prompts():
 
 
 def test_sampling_params_accept_good_values_and_normalise_lists():
-    sp = SamplingParams(temperature=0, top_k=5, top_p=0.9, repetition_penalty=1.2, seed=3,
-                        max_tokens=54, stop_token_ids=[9, 8], allowed_token_range=[20, 99])
+    sp = SamplingParams(
+        temperature=0,
+        top_k=5,
+        top_p=0.9,
+        repetition_penalty=1.2,
+        seed=3,
+        max_tokens=54,
+        stop_token_ids=[9, 8],
+        allowed_token_range=[20, 99],
+    )
     sp.validate(vocab_size=100, max_model_len=64, prompt_len=10)
     assert sp.is_greedy and sp.stop_token_ids == (9, 8) and sp.allowed_token_range == (20, 99)
     assert sp.exempt_token_ids((EOS,)) == (9, 8, EOS)

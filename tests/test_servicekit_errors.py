@@ -61,16 +61,20 @@ async def call(method: str, service: str):
     raise AssertionError("the call succeeded")
 
 
-@pytest.mark.parametrize("method, service, secret", [
-    ("Check", "bug", ("KeyError", "0x7f3a")),
-    ("Watch", "", ("ZeroDivisionError", "step 3")),
-])
+@pytest.mark.parametrize(
+    "method, service, secret",
+    [
+        ("Check", "bug", ("KeyError", "0x7f3a")),
+        ("Watch", "", ("ZeroDivisionError", "step 3")),
+    ],
+)
 def test_unexpected_errors_are_internal_with_a_trace_id_and_logged(method, service, secret, caplog):
     with caplog.at_level(logging.ERROR, logger="servicekit.server"):
         err = asyncio.run(call(method, service))
     assert err.code() == grpc.StatusCode.INTERNAL
-    assert err.details() == (f"internal error in /grpc.health.v1.Health/{method}; "
-                             f"logged with trace id {TRACE}")
+    assert err.details() == (
+        f"internal error in /grpc.health.v1.Health/{method}; logged with trace id {TRACE}"
+    )
     assert not any(s in err.details() for s in secret)
     (record,) = [r for r in caplog.records if r.exc_info]
     assert record.fields["trace_id"] == TRACE and isinstance(record.exc_info[1], Exception)

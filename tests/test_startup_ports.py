@@ -24,10 +24,27 @@ def voice_dir(tmp_path_factory):
     return make_tts_voice(tmp_path_factory.mktemp("voices"))
 
 
-def second(module: str, *args: str, port: int = 0, metrics_port: int = -1) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
-                           "--metrics-port", str(metrics_port), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=90)
+def second(
+    module: str, *args: str, port: int = 0, metrics_port: int = -1
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
 
 
 def assert_refused(result: subprocess.CompletedProcess, line: str) -> None:
@@ -40,12 +57,15 @@ def test_text_service_refuses_a_busy_grpc_or_metrics_port(model_dir):
     args = ("--model", str(model_dir), "--kv-cache-memory", "32MiB", "--threads", "1")
     first = ServiceProcess("text_service", *args)
     try:
-        assert_refused(second("text_service", *args, port=first.port),
-                       f"text-service: gRPC port 127.0.0.1:{first.port} is already in use by "
-                       "another process")
-        assert_refused(second("text_service", *args, metrics_port=first.metrics_port),
-                       f"text-service: metrics port 127.0.0.1:{first.metrics_port} is already in "
-                       "use by another process")
+        assert_refused(
+            second("text_service", *args, port=first.port),
+            f"text-service: gRPC port 127.0.0.1:{first.port} is already in use by another process",
+        )
+        assert_refused(
+            second("text_service", *args, metrics_port=first.metrics_port),
+            f"text-service: metrics port 127.0.0.1:{first.metrics_port} is already in "
+            "use by another process",
+        )
         assert first.alive() and first.health() == 1  # SERVING, untouched
     finally:
         assert first.stop() == 0
@@ -55,9 +75,10 @@ def test_text_service_refuses_a_truncated_checkpoint(model_dir, tmp_path):
     broken = tmp_path / "lm"
     shutil.copytree(model_dir, broken)
     weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a cut-off download
-    result = second("text_service", "--model", str(broken), "--kv-cache-memory", "32MiB",
-                    "--threads", "1")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a cut-off download
+    result = second(
+        "text_service", "--model", str(broken), "--kv-cache-memory", "32MiB", "--threads", "1"
+    )
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"text-service: {weights} is not a readable safetensors file ("), line
@@ -68,22 +89,31 @@ def test_vocoder_service_refuses_a_busy_grpc_port(voice_dir):
     args = ("--voice", str(voice_dir), "--threads", "1")
     first = ServiceProcess("vocoder_service", *args)
     try:
-        assert_refused(second("vocoder_service", *args, port=first.port),
-                       f"vocoder-service: gRPC port 127.0.0.1:{first.port} is already in use by "
-                       "another process")
+        assert_refused(
+            second("vocoder_service", *args, port=first.port),
+            f"vocoder-service: gRPC port 127.0.0.1:{first.port} is already in use by "
+            "another process",
+        )
     finally:
         assert first.stop() == 0
 
 
 def test_orchestrator_refuses_a_busy_grpc_or_http_port(voice_dir):
     # Backends need not be up for the orchestrator to bind its ports.
-    args = ("--voice", str(voice_dir), "--text-service", "127.0.0.1:1",
-            "--vocoder-service", "127.0.0.1:1")
+    args = (
+        "--voice",
+        str(voice_dir),
+        "--text-service",
+        "127.0.0.1:1",
+        "--vocoder-service",
+        "127.0.0.1:1",
+    )
     first = ServiceProcess("orchestrator", *args, "--http-port", "0")
     try:
-        assert_refused(second("orchestrator", *args, "--http-port", "-1", port=first.port),
-                       f"orchestrator: gRPC port 127.0.0.1:{first.port} is already in use by "
-                       "another process")
+        assert_refused(
+            second("orchestrator", *args, "--http-port", "-1", port=first.port),
+            f"orchestrator: gRPC port 127.0.0.1:{first.port} is already in use by another process",
+        )
         http_port = first.info["http_port"]
         result = second("orchestrator", *args, "--http-port", str(http_port))
         assert result.returncode == 2 and str(http_port) in result.stderr.strip().splitlines()[-1]

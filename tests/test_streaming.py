@@ -45,7 +45,9 @@ def mel(backend) -> np.ndarray:
     t = np.arange(60 * HOP) / sr
     f0 = 110 + 80 * t
     phase = 2 * np.pi * np.cumsum(f0) / sr
-    audio = sum(np.sin(k * phase) / k for k in range(1, 30)) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
+    audio = sum(np.sin(k * phase) / k for k in range(1, 30)) * (
+        0.6 + 0.4 * np.sin(2 * np.pi * 4 * t)
+    )
     return MelSpectrogram(backend.config)(0.2 * audio / np.abs(audio).max())[0].numpy()
 
 
@@ -53,8 +55,12 @@ def mel(backend) -> np.ndarray:
 def decoder() -> TokenDecoder:
     """Random decoder: 2 frames per token, 2 tokens of lookahead, 2 of left context."""
     torch.manual_seed(0)
-    config = TokenDecoderConfig(codebook_size=64, frames_per_token=2, channels=32,
-                                layers=(ConvLayer(3, 1), ConvLayer(3, 1), ConvLayer(1, 0)))
+    config = TokenDecoderConfig(
+        codebook_size=64,
+        frames_per_token=2,
+        channels=32,
+        layers=(ConvLayer(3, 1), ConvLayer(3, 1), ConvLayer(1, 0)),
+    )
     dec = TokenDecoder(config).eval()
     with torch.no_grad():
         for p in dec.parameters():
@@ -94,7 +100,7 @@ def check_contiguous(chunks, total_samples: int) -> np.ndarray:
 def test_streamed_mel_equals_offline(piece, stateful, backend, mel):
     offline = backend.run(mel[None])[0]
     stream = VocoderStream(backend.config, stateful=stateful)
-    pieces = [mel[:, i:i + piece] for i in range(0, mel.shape[1], piece)]
+    pieces = [mel[:, i : i + piece] for i in range(0, mel.shape[1], piece)]
     chunks = run_stream(stream, backend, pieces, stream.push_mel)
     audio = check_contiguous(chunks, mel.shape[1] * HOP)
     assert snr_db(audio, offline) >= 40
@@ -107,7 +113,7 @@ def test_streamed_tokens_equal_offline(piece, stateful, backend, decoder):
     codes = np.random.default_rng(1).integers(0, 64, 30)
     offline = backend.run(decoder.decode(codes)[None])[0]
     stream = VocoderStream(backend.config, token_decoder=decoder, stateful=stateful)
-    pieces = [codes[i:i + piece] for i in range(0, len(codes), piece)]
+    pieces = [codes[i : i + piece] for i in range(0, len(codes), piece)]
     chunks = run_stream(stream, backend, pieces, stream.push_tokens)
     audio = check_contiguous(chunks, 60 * HOP)
     assert snr_db(audio, offline) >= 40
@@ -121,7 +127,7 @@ def test_stateful_stream_sends_each_frame_once(backend, mel):
     right = backend.receptive_field[1]
     jobs = []
     for i in range(mel.shape[1]):
-        stream.push_mel(mel[:, i:i + 1])
+        stream.push_mel(mel[:, i : i + 1])
         jobs += stream.ready()
         if i < 4 + right - 1:
             assert jobs == []  # the first job: 4 frames of audio need 13 more of input
@@ -143,8 +149,10 @@ def stream_lag_samples(backend) -> int:
     for u, k in zip(c.upsample_rates, c.upsample_kernel_sizes):
         rate *= u
         lag = lag * u + (k - u) // 2  # the transposed conv drops its padding on the left only
-        widest = max(sum((kr - 1) * d // 2 + (kr - 1) // 2 for d in ds)
-                     for kr, ds in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes))
+        widest = max(
+            sum((kr - 1) * d // 2 + (kr - 1) // 2 for d in ds)
+            for kr, ds in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes)
+        )
         lag += widest
     return lag + 3  # conv_post
 
@@ -162,8 +170,9 @@ def test_stateful_boundary_emits_everything_and_the_stream_goes_on(backend, mel)
     stream.push_mel(mel[:, 30:])
     chunks += run_stream(stream, backend, [], stream.push_mel)
     audio = check_contiguous(chunks, mel.shape[1] * HOP)
-    offline_halves = np.concatenate([backend.run(mel[None, :, :30])[0],
-                                     backend.run(mel[None, :, 30:])[0]])
+    offline_halves = np.concatenate(
+        [backend.run(mel[None, :, :30])[0], backend.run(mel[None, :, 30:])[0]]
+    )
     assert snr_db(audio, offline_halves) >= 40  # two utterances, joined at the boundary
 
 
@@ -186,17 +195,19 @@ def test_too_little_context_is_audible(backend, mel):
     """Guards the exactness tests: a window 4 frames short of the receptive field is off."""
     offline = backend.run(mel[None])[0]
     left, right = backend.receptive_field
-    chunk = backend.run(mel[None, :, 20 - left + 4:40 + right - 4])[0][(left - 4) * HOP:(left + 16) * HOP]
-    assert snr_db(chunk, offline[20 * HOP:40 * HOP]) < 40
+    chunk = backend.run(mel[None, :, 20 - left + 4 : 40 + right - 4])[0][
+        (left - 4) * HOP : (left + 16) * HOP
+    ]
+    assert snr_db(chunk, offline[20 * HOP : 40 * HOP]) < 40
 
 
 def test_first_chunk_leaves_before_end_of_stream(backend, mel):
     stream = VocoderStream(backend.config, policy=ChunkPolicy(first_chunk_frames=8))
     needed = 8 + backend.receptive_field[1]
     for i in range(needed - 1):
-        stream.push_mel(mel[:, i:i + 1])
+        stream.push_mel(mel[:, i : i + 1])
         assert stream.ready() == []
-    stream.push_mel(mel[:, needed - 1:needed])
+    stream.push_mel(mel[:, needed - 1 : needed])
     (job,) = stream.ready()
     assert (job.first_frame, job.num_frames, job.window_frames) == (0, 8, needed)
     chunk = stream.complete(job, backend.run(job.mel[None])[0])
@@ -205,7 +216,9 @@ def test_first_chunk_leaves_before_end_of_stream(backend, mel):
 
 
 def test_first_token_chunk_waits_for_decoder_lookahead(backend, decoder):
-    stream = VocoderStream(backend.config, token_decoder=decoder, policy=ChunkPolicy(first_chunk_frames=8))
+    stream = VocoderStream(
+        backend.config, token_decoder=decoder, policy=ChunkPolicy(first_chunk_frames=8)
+    )
     # 8 frames + 13 frames of right context = 11 tokens of mel, + 2 tokens of decoder lookahead
     codes = np.arange(13) % 64
     stream.push_tokens(codes[:12])
@@ -224,7 +237,9 @@ def test_token_decoder_runs_only_when_a_job_can_be_due(backend, decoder):
         codes = np.random.default_rng(2).integers(0, 64, 60)
         offline = backend.run(decoder.decode(codes)[None])[0]
         stream = VocoderStream(backend.config, token_decoder=decoder)
-        chunks = run_stream(stream, backend, [codes[i:i + 1] for i in range(60)], stream.push_tokens)
+        chunks = run_stream(
+            stream, backend, [codes[i : i + 1] for i in range(60)], stream.push_tokens
+        )
     finally:
         del decoder.forward
     assert len(calls) <= stream._next_job + 1  # one decode per job issued (+ the flush)
@@ -232,7 +247,9 @@ def test_token_decoder_runs_only_when_a_job_can_be_due(backend, decoder):
 
 
 def test_shared_streams_keep_to_the_shared_cap(backend, mel):
-    policy = ChunkPolicy(first_chunk_frames=4, growth=2.0, max_chunk_frames=64, shared_chunk_frames=12)
+    policy = ChunkPolicy(
+        first_chunk_frames=4, growth=2.0, max_chunk_frames=64, shared_chunk_frames=12
+    )
     assert [policy.min_frames(i, shared=True) for i in range(4)] == [4, 8, 12, 12]
     assert policy.cap(shared=True) == 12 and policy.cap() == 64
     stream = VocoderStream(backend.config, policy=policy)
@@ -269,7 +286,7 @@ def test_policy_grows_to_its_cap(backend, mel):
     stream = VocoderStream(backend.config, policy=policy)
     sizes = []
     for i in range(long_mel.shape[1]):
-        stream.push_mel(long_mel[:, i:i + 1])
+        stream.push_mel(long_mel[:, i : i + 1])
         sizes += [j.num_frames for j in stream.ready()]
     assert sizes[:5] == [4, 8, 16, 32, 40]
     assert max(sizes) == 40
@@ -338,12 +355,12 @@ def test_stream_chunks_follow_its_playout_clock(backend):
 
     def backlog_after_first_chunk(extra_delivered_s: float, clock: bool) -> list[int]:
         stream = VocoderStream(backend.config, policy=policy, stateful=True)
-        stream.push_mel(silence[:, :4 + right])
+        stream.push_mel(silence[:, : 4 + right])
         (first,) = stream.ready(now=0.0, seconds_per_frame=speed)  # no audio out: the first chunk
         assert first.num_frames == 4 + right
         stream.complete(first, np.zeros(4 * HOP, np.float32), now=100.0)
         stream.playout.deliver(int(extra_delivered_s * 22050), 100.0)
-        stream.push_mel(silence[:, 4 + right:60 + right])
+        stream.push_mel(silence[:, 4 + right : 60 + right])
         jobs = stream.ready(now=100.0 if clock else None, seconds_per_frame=speed)
         assert sum(j.num_frames for j in jobs) == 56
         return [j.num_frames for j in jobs]
@@ -374,7 +391,7 @@ def test_many_streams_batched_equal_offline(backend, mel):
         for s, m, rate in zip(streams, inputs, rates):
             lo = step * rate
             if lo < m.shape[1]:
-                s.push_mel(m[:, lo:lo + rate])
+                s.push_mel(m[:, lo : lo + rate])
             elif not s.ended:
                 s.flush()
         jobs = [j for s in streams for j in s.ready()]
@@ -404,7 +421,10 @@ def test_padding_windows_into_one_forward_keeps_samples(backend, mel):
             s.flush()
         return s
 
-    a, b = stream(8, False), stream(10, False)  # first windows 21 and 23 frames: padded on the right
+    a, b = (
+        stream(8, False),
+        stream(10, False),
+    )  # first windows 21 and 23 frames: padded on the right
     c, d = stream(20, True), stream(16, True)  # second windows 53 and 57 frames: padded on the left
     later = []
     for s in (c, d):
@@ -418,8 +438,8 @@ def test_padding_windows_into_one_forward_keeps_samples(backend, mel):
     assert sorted(calls) == [(2, 80, 23), (2, 80, 57)]
     for job, audio in zip(jobs, batched):
         start = (job.first_frame - job.window_start) * HOP
-        alone = backend.run(job.mel[None])[0][start:start + job.num_samples]
-        np.testing.assert_allclose(audio[start:start + job.num_samples], alone, atol=1e-4, rtol=0)
+        alone = backend.run(job.mel[None])[0][start : start + job.num_samples]
+        np.testing.assert_allclose(audio[start : start + job.num_samples], alone, atol=1e-4, rtol=0)
 
 
 def test_stream_rejects_bad_input(backend, decoder, mel):
@@ -471,7 +491,9 @@ def test_token_decoder_roundtrip_and_codebook_only(tmp_path, decoder):
 def test_voice_directory(tmp_path, decoder):
     voice_dir = tmp_path / "v"
     save_token_decoder(decoder, voice_dir / "vocoder")
-    (voice_dir / "voice.json").write_text(json.dumps({"name": "test", "sample_rate": 22050, "hop_size": 256}))
+    (voice_dir / "voice.json").write_text(
+        json.dumps({"name": "test", "sample_rate": 22050, "hop_size": 256})
+    )
     voice = load_voice(voice_dir)
     assert voice.name == "test" and voice.codebook_size == 64 and voice.frames_per_token == 2
     assert voice.generator.path.name == "generator_universal.pth.tar"

@@ -29,10 +29,21 @@ def model_dir(tmp_path_factory):
 
 def start(model_dir, *args: str, fault_file=None, step_delay_s: float = 0.0) -> ServiceProcess:
     """The text service whose steps take `step_delay_s` and fail once `fault_file` exists."""
-    env = {"SPLITTTS_TEST_FAULT_FILE": str(fault_file or "/nonexistent/fault"),
-           "SPLITTTS_TEST_STEP_DELAY_S": str(step_delay_s)}
-    return ServiceProcess("tests.faulty_text_service", "--model", str(model_dir),
-                          "--kv-cache-memory", "32MiB", "--threads", "1", *args, env=env)
+    env = {
+        "SPLITTTS_TEST_FAULT_FILE": str(fault_file or "/nonexistent/fault"),
+        "SPLITTTS_TEST_STEP_DELAY_S": str(step_delay_s),
+    }
+    return ServiceProcess(
+        "tests.faulty_text_service",
+        "--model",
+        str(model_dir),
+        "--kv-cache-memory",
+        "32MiB",
+        "--threads",
+        "1",
+        *args,
+        env=env,
+    )
 
 
 def stub(channel) -> text_pb2_grpc.TextGenerationStub:
@@ -55,11 +66,14 @@ def model_info(channel) -> pb.ModelInfo:
 
 def test_engine_loop_death_fails_every_request_turns_not_serving_and_exits(model_dir, tmp_path):
     fault = tmp_path / "fault"
-    proc = start(model_dir, "--max-num-seqs", "2", "--grace", "5", fault_file=fault,
-                 step_delay_s=0.02)
+    proc = start(
+        model_dir, "--max-num-seqs", "2", "--grace", "5", fault_file=fault, step_delay_s=0.02
+    )
     try:
         with proc.channel() as ch:
-            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            watch = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(), timeout=60
+            )
             assert next(watch).status == SERVING
             running = [stub(ch).Generate(pb.GenerateRequest(**LONG), timeout=60) for _ in range(2)]
             for call in running:
@@ -91,22 +105,44 @@ def service(model_dir):
     assert proc.stop() == 0
 
 
-@pytest.mark.parametrize("sampling, rule", [
-    (pb.SamplingConfig(repetition_penalty=1e-45, temperature=1),
-     "sampling.repetition_penalty: must lie in [0.01, 100]"),
-    (pb.SamplingConfig(repetition_penalty=1e6), "sampling.repetition_penalty: must lie in [0.01, 100]"),
-    (pb.SamplingConfig(temperature=1e-40), "sampling.temperature: must be 0 (greedy) or"),
-])
+@pytest.mark.parametrize(
+    "sampling, rule",
+    [
+        (
+            pb.SamplingConfig(repetition_penalty=1e-45, temperature=1),
+            "sampling.repetition_penalty: must lie in [0.01, 100]",
+        ),
+        (
+            pb.SamplingConfig(repetition_penalty=1e6),
+            "sampling.repetition_penalty: must lie in [0.01, 100]",
+        ),
+        (pb.SamplingConfig(temperature=1e-40), "sampling.temperature: must be 0 (greedy) or"),
+    ],
+)
 def test_penalties_and_temperatures_that_overflow_logits_are_invalid(service, sampling, rule):
     with service.channel() as ch:
         with pytest.raises(grpc.RpcError) as err:
-            list(stub(ch).Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]),
-                                                      max_tokens=4, sampling=sampling), timeout=30))
+            list(
+                stub(ch).Generate(
+                    pb.GenerateRequest(
+                        token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=4, sampling=sampling
+                    ),
+                    timeout=30,
+                )
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert rule in err.value.details()
-        ok = list(stub(ch).Generate(pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=3, ignore_eos=True,
-            sampling=pb.SamplingConfig(repetition_penalty=100, temperature=1)), timeout=30))
+        ok = list(
+            stub(ch).Generate(
+                pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[1, 2]),
+                    max_tokens=3,
+                    ignore_eos=True,
+                    sampling=pb.SamplingConfig(repetition_penalty=100, temperature=1),
+                ),
+                timeout=30,
+            )
+        )
         assert sum(len(r.token_ids) for r in ok) == 3
     assert service.health() == SERVING
 
@@ -130,17 +166,29 @@ def test_a_10_mb_prompt_is_refused_before_tokenising_while_health_answers(servic
     assert statuses and all(s == SERVING for s in statuses)
     (err,) = errors
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details().startswith(f"text: {len(big)} bytes cannot fit the model's limit "
-                                    "max_model_len=256 tokens"), err.details()
+    assert err.details().startswith(
+        f"text: {len(big)} bytes cannot fit the model's limit max_model_len=256 tokens"
+    ), err.details()
     with service.channel() as ch:  # a normal text prompt still goes through the tokenizer
-        ok = list(stub(ch).Generate(pb.GenerateRequest(text="hello", max_tokens=2, ignore_eos=True),
-                                    timeout=30))
+        ok = list(
+            stub(ch).Generate(
+                pb.GenerateRequest(text="hello", max_tokens=2, ignore_eos=True), timeout=30
+            )
+        )
         assert sum(len(r.token_ids) for r in ok) == 2
 
 
 def test_a_full_waiting_queue_is_resource_exhausted_with_a_retry_hint(model_dir):
-    proc = start(model_dir, "--max-num-seqs", "1", "--max-num-waiting", "1", "--max-pending", "8",
-                 step_delay_s=0.02)
+    proc = start(
+        model_dir,
+        "--max-num-seqs",
+        "1",
+        "--max-num-waiting",
+        "1",
+        "--max-pending",
+        "8",
+        step_delay_s=0.02,
+    )
     try:
         with proc.channel() as ch:
             running = stub(ch).Generate(pb.GenerateRequest(**LONG), timeout=60)
@@ -150,13 +198,20 @@ def test_a_full_waiting_queue_is_resource_exhausted_with_a_retry_hint(model_dir)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub(ch).Generate(pb.GenerateRequest(**LONG), timeout=30))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
-            assert err.value.details() == "the waiting queue is full (1 of max_num_waiting=1); retry later"
+            assert (
+                err.value.details()
+                == "the waiting queue is full (1 of max_num_waiting=1); retry later"
+            )
             assert dict(err.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
             running.cancel()
             waiting.cancel()
         metrics = proc.metrics()
-        assert metric_value(metrics, "splittts_text_request_success_total",
-                            'finished_reason="rejected"') == 1
+        assert (
+            metric_value(
+                metrics, "splittts_text_request_success_total", 'finished_reason="rejected"'
+            )
+            == 1
+        )
     finally:
         assert proc.stop() == 0
 
@@ -165,14 +220,21 @@ def test_metrics_count_outcomes_and_gauges_are_live(model_dir):
     proc = start(model_dir, step_delay_s=0.02)
     try:
         with proc.channel() as ch:
-            done = list(stub(ch).Generate(pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=3, ignore_eos=True), timeout=30))
+            done = list(
+                stub(ch).Generate(
+                    pb.GenerateRequest(
+                        token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=3, ignore_eos=True
+                    ),
+                    timeout=30,
+                )
+            )
             assert done[-1].finish_reason == pb.FINISH_REASON_LENGTH
             cancelled = stub(ch).Generate(pb.GenerateRequest(**LONG), timeout=60)
             next(cancelled)
-            running = wait_for(lambda: metric_value(proc.metrics(),
-                                                    "splittts_text_num_requests_running") == 1,
-                               what="a live running gauge of 1")
+            running = wait_for(
+                lambda: metric_value(proc.metrics(), "splittts_text_num_requests_running") == 1,
+                what="a live running gauge of 1",
+            )
             assert running
             cancelled.cancel()
             with pytest.raises(grpc.RpcError) as err:
@@ -181,16 +243,30 @@ def test_metrics_count_outcomes_and_gauges_are_live(model_dir):
 
         def counted():
             text = proc.metrics()
-            return text if all(metric_value(text, "splittts_text_request_success_total",
-                                            f'finished_reason="{r}"') == 1
-                               for r in ("length", "cancelled", "deadline")) else None
+            return (
+                text
+                if all(
+                    metric_value(
+                        text, "splittts_text_request_success_total", f'finished_reason="{r}"'
+                    )
+                    == 1
+                    for r in ("length", "cancelled", "deadline")
+                )
+                else None
+            )
 
         text = wait_for(counted, what="length, cancelled and deadline counted once each")
-        assert metric_value(text, "splittts_text_request_success_total",
-                            'finished_reason="abort"') is None
-        idle = wait_for(lambda: metric_value(proc.metrics(), "splittts_text_num_requests_running") == 0
-                        and metric_value(proc.metrics(), "splittts_text_num_requests_waiting") == 0,
-                        what="idle gauges")
+        assert (
+            metric_value(text, "splittts_text_request_success_total", 'finished_reason="abort"')
+            is None
+        )
+        idle = wait_for(
+            lambda: (
+                metric_value(proc.metrics(), "splittts_text_num_requests_running") == 0
+                and metric_value(proc.metrics(), "splittts_text_num_requests_waiting") == 0
+            ),
+            what="idle gauges",
+        )
         assert idle
     finally:
         assert proc.stop() == 0
@@ -207,8 +283,12 @@ def test_an_engine_failure_counts_as_failed_in_process(model_dir, monkeypatch):
     from text_service.server import TextGenerationServicer
 
     def count(reason: str) -> float:
-        return REGISTRY.get_sample_value("splittts_text_request_success_total",
-                                         {"finished_reason": reason}) or 0.0
+        return (
+            REGISTRY.get_sample_value(
+                "splittts_text_request_success_total", {"finished_reason": reason}
+            )
+            or 0.0
+        )
 
     engine = LLMEngine(EngineArgs(model=str(model_dir), kv_cache_memory_bytes=8 << 20))
 
@@ -222,7 +302,8 @@ def test_an_engine_failure_counts_as_failed_in_process(model_dir, monkeypatch):
         async_engine = AsyncEngine(engine, on_failure=failures.append)
         server = grpc.aio.server(interceptors=[ErrorInterceptor()])
         text_pb2_grpc.add_TextGenerationServicer_to_server(
-            TextGenerationServicer(async_engine, "tiny"), server)
+            TextGenerationServicer(async_engine, "tiny"), server
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         async_engine.start()

@@ -61,9 +61,13 @@ def voice(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(voice, certs, token_file):
-    local = LocalDeployment(voice, threads={"text": 1, "vocoder": 1}, http_port=0, tls_dir=certs,
-                            orchestrator_args=["--api-token-file", str(token_file),
-                                               "--allow-origin", ALLOWED])
+    local = LocalDeployment(
+        voice,
+        threads={"text": 1, "vocoder": 1},
+        http_port=0,
+        tls_dir=certs,
+        orchestrator_args=["--api-token-file", str(token_file), "--allow-origin", ALLOWED],
+    )
     local.start()
     yield local
     local.stop()
@@ -88,8 +92,13 @@ def bearer(token: str = TOKEN) -> tuple:
 
 
 def synthesize(channel: grpc.Channel, metadata=None) -> list:
-    return list(tts_pb2_grpc.TextToSpeechStub(channel).Synthesize(
-        pb.SynthesizeRequest(text="hello over tls", voice="tiny"), timeout=120, metadata=metadata))
+    return list(
+        tts_pb2_grpc.TextToSpeechStub(channel).Synthesize(
+            pb.SynthesizeRequest(text="hello over tls", voice="tiny"),
+            timeout=120,
+            metadata=metadata,
+        )
+    )
 
 
 def test_full_synthesis_over_tls_and_mutual_tls_to_both_backends(deployment, certs):
@@ -108,8 +117,10 @@ def test_a_plaintext_client_cannot_talk_to_a_tls_port(deployment):
 
 
 def test_a_client_of_another_ca_does_not_trust_the_server(deployment, foreign):
-    with grpc.secure_channel(deployment.address, creds(foreign)) as ch, \
-            pytest.raises(grpc.RpcError) as err:
+    with (
+        grpc.secure_channel(deployment.address, creds(foreign)) as ch,
+        pytest.raises(grpc.RpcError) as err,
+    ):
         health(ch)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
@@ -119,27 +130,47 @@ def test_backends_require_a_client_certificate_of_their_ca(deployment, certs, fo
     address = deployment.by_name(backend).address
     with grpc.secure_channel(address, creds(certs, "orchestrator")) as ch:
         assert health(ch) == health_pb2.HealthCheckResponse.SERVING
-    for refused in (creds(certs), grpc.ssl_channel_credentials(
-            (certs / "ca.pem").read_bytes(), (foreign / "orchestrator-key.pem").read_bytes(),
-            (foreign / "orchestrator.pem").read_bytes())):
+    for refused in (
+        creds(certs),
+        grpc.ssl_channel_credentials(
+            (certs / "ca.pem").read_bytes(),
+            (foreign / "orchestrator-key.pem").read_bytes(),
+            (foreign / "orchestrator.pem").read_bytes(),
+        ),
+    ):
         with grpc.secure_channel(address, refused) as ch, pytest.raises(grpc.RpcError) as err:
             health(ch)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.mark.parametrize("metadata, words", [
-    (None, "missing credentials"),
-    (bearer("not-the-token-at-all-0000"), "invalid credentials"),
-    ((("authorization", TOKEN),), "malformed credentials"),
-])
+@pytest.mark.parametrize(
+    "metadata, words",
+    [
+        (None, "missing credentials"),
+        (bearer("not-the-token-at-all-0000"), "invalid credentials"),
+        ((("authorization", TOKEN),), "malformed credentials"),
+    ],
+)
 def test_calls_without_the_right_token_are_unauthenticated(deployment, certs, metadata, words):
     with grpc.secure_channel(deployment.address, creds(certs)) as ch:
         stub = tts_pb2_grpc.TextToSpeechStub(ch)
-        for call in (lambda: synthesize(ch, metadata),
-                     lambda: stub.ListVoices(pb.ListVoicesRequest(), timeout=10, metadata=metadata),
-                     lambda: list(stub.StreamingSynthesize(iter([pb.StreamingSynthesizeRequest(
-                         config=pb.StreamingSynthesizeConfig(voice="tiny"))]), timeout=30,
-                         metadata=metadata))):
+        for call in (
+            lambda: synthesize(ch, metadata),
+            lambda: stub.ListVoices(pb.ListVoicesRequest(), timeout=10, metadata=metadata),
+            lambda: list(
+                stub.StreamingSynthesize(
+                    iter(
+                        [
+                            pb.StreamingSynthesizeRequest(
+                                config=pb.StreamingSynthesizeConfig(voice="tiny")
+                            )
+                        ]
+                    ),
+                    timeout=30,
+                    metadata=metadata,
+                )
+            ),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -150,8 +181,11 @@ def test_calls_without_the_right_token_are_unauthenticated(deployment, certs, me
 
 def list_services(channel: grpc.Channel, metadata=None) -> list[str]:
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-        list_services="")]), timeout=10, metadata=metadata)
+    replies = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+        timeout=10,
+        metadata=metadata,
+    )
     return [s.name for r in replies for s in r.list_services_response.service]
 
 
@@ -169,19 +203,26 @@ def https_context(certs) -> ssl.SSLContext:
 
 def test_openai_endpoint_needs_the_token_over_https(deployment, certs):
     def client(key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=deployment.http_url + "v1", api_key=key, max_retries=0,
-                             timeout=120, http_client=httpx2.Client(verify=https_context(certs)))
+        return openai.OpenAI(
+            base_url=deployment.http_url + "v1",
+            api_key=key,
+            max_retries=0,
+            timeout=120,
+            http_client=httpx2.Client(verify=https_context(certs)),
+        )
 
     assert deployment.http_url.startswith("https://")
     with pytest.raises(openai.AuthenticationError) as err:
-        client("wrong-token-0123456789").audio.speech.create(model="tts-1", voice="tiny",
-                                                             input="hello")
+        client("wrong-token-0123456789").audio.speech.create(
+            model="tts-1", voice="tiny", input="hello"
+        )
     assert err.value.status_code == 401 and "invalid credentials" in str(err.value)
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(deployment.http_url + "v1/models", context=https_context(certs))
     assert missing.value.code == 401
-    speech = client(TOKEN).audio.speech.create(model="tts-1", voice="tiny", input="hello",
-                                               response_format="wav")
+    speech = client(TOKEN).audio.speech.create(
+        model="tts-1", voice="tiny", input="hello", response_format="wav"
+    )
     assert speech.content[:4] == b"RIFF" and len(speech.content) > 1000
     # without --web-auth the page itself stays open
     with urllib.request.urlopen(deployment.http_url, context=https_context(certs)) as page:
@@ -193,14 +234,18 @@ async def open_socket(url: str, certs, origin: str | None) -> dict:
     headers = {"Origin": origin} if origin else {}
     async with aiohttp.ClientSession() as session:
         try:
-            async with session.ws_connect(url.replace("https", "wss") + "ws", headers=headers,
-                                          ssl=https_context(certs)) as ws:
+            async with session.ws_connect(
+                url.replace("https", "wss") + "ws", headers=headers, ssl=https_context(certs)
+            ) as ws:
                 await ws.send_str(json.dumps({"type": "speak", "text": "hi", "voice": "tiny"}))
                 kinds = []
                 while not kinds or kinds[-1] not in ("report", "error"):
                     frame = await ws.receive(timeout=60)
-                    kinds.append("audio" if frame.type == aiohttp.WSMsgType.BINARY
-                                 else json.loads(frame.data)["type"])
+                    kinds.append(
+                        "audio"
+                        if frame.type == aiohttp.WSMsgType.BINARY
+                        else json.loads(frame.data)["type"]
+                    )
                 return {"frames": kinds}
         except aiohttp.WSServerHandshakeError as exc:
             return {"refused": exc.status}
@@ -210,8 +255,9 @@ def test_websocket_refuses_a_foreign_origin(deployment, certs):
     url = deployment.http_url
     own = url.rstrip("/")
     assert asyncio.run(open_socket(url, certs, "http://evil.example")) == {"refused": 403}
-    assert asyncio.run(open_socket(url, certs, "https://allowed.example.evil.example")) \
-        == {"refused": 403}
+    assert asyncio.run(open_socket(url, certs, "https://allowed.example.evil.example")) == {
+        "refused": 403
+    }
     for origin in (own, ALLOWED, None):  # its own page, an allowed one, a non-browser client
         frames = asyncio.run(open_socket(url, certs, origin))["frames"]
         assert frames[0] == "started" and "audio" in frames and frames[-1] == "report", origin
@@ -222,14 +268,34 @@ def web_auth_orchestrator(deployment, voice, certs, token_file):
     """A second orchestrator (mutual TLS to the same backends) with --web-auth, without
     reflection, and with a plaintext health port."""
     proc = ServiceProcess(
-        "orchestrator", "--voice", str(voice), "--http-port", "0", "--no-reflection",
-        "--health-port", "0", "--tls-cert", str(certs / "orchestrator.pem"),
-        "--tls-key", str(certs / "orchestrator-key.pem"),
-        "--text-service", deployment.by_name("text-service").address,
-        "--vocoder-service", deployment.by_name("vocoder-service").address,
-        "--tls-ca", str(certs / "ca.pem"), "--tls-client-cert", str(certs / "orchestrator.pem"),
-        "--tls-client-key", str(certs / "orchestrator-key.pem"),
-        "--api-token-file", str(token_file), "--web-auth", "--log-level", "info")
+        "orchestrator",
+        "--voice",
+        str(voice),
+        "--http-port",
+        "0",
+        "--no-reflection",
+        "--health-port",
+        "0",
+        "--tls-cert",
+        str(certs / "orchestrator.pem"),
+        "--tls-key",
+        str(certs / "orchestrator-key.pem"),
+        "--text-service",
+        deployment.by_name("text-service").address,
+        "--vocoder-service",
+        deployment.by_name("vocoder-service").address,
+        "--tls-ca",
+        str(certs / "ca.pem"),
+        "--tls-client-cert",
+        str(certs / "orchestrator.pem"),
+        "--tls-client-key",
+        str(certs / "orchestrator-key.pem"),
+        "--api-token-file",
+        str(token_file),
+        "--web-auth",
+        "--log-level",
+        "info",
+    )
     yield proc
     proc.stop()
 
@@ -246,8 +312,9 @@ def test_web_auth_guards_the_page_and_metrics(web_auth_orchestrator, certs):
         assert page.status == 200 and page.url == base + "/"
     with opener.open(base + "/api/voices") as r:
         assert [v["name"] for v in json.load(r)["voices"]] == ["tiny"]
-    request = urllib.request.Request(base + "/metrics",
-                                     headers={"Authorization": f"Bearer {TOKEN}"})
+    request = urllib.request.Request(
+        base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     with urllib.request.urlopen(request, context=https_context(certs)) as r:
         assert b"splittts_tts_requests_in_flight" in r.read()
 
@@ -266,8 +333,9 @@ def test_the_health_port_answers_probes_in_plaintext_and_nothing_else(web_auth_o
     with grpc.insecure_channel(address) as ch:
         assert health(ch) == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.RpcError) as err:
-            tts_pb2_grpc.TextToSpeechStub(ch).ListVoices(pb.ListVoicesRequest(), timeout=10,
-                                                          metadata=bearer())
+            tts_pb2_grpc.TextToSpeechStub(ch).ListVoices(
+                pb.ListVoicesRequest(), timeout=10, metadata=bearer()
+            )
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
@@ -281,33 +349,65 @@ def test_plaintext_beyond_loopback_is_a_loud_warning(caplog):
     assert levels == [(logging.WARNING, True), (logging.INFO, False)]
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
-    (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert"),
-    (["--tls-client-cert", "c.pem", "--tls-client-key", "k.pem"], "needs --tls-ca"),
-    (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: cannot read it"),
-    (["--web-auth"], "--web-auth needs --api-token-file"),
-    (["--api-token", "short"], "at least 16 characters"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert"),
+        (["--tls-client-cert", "c.pem", "--tls-client-key", "k.pem"], "needs --tls-ca"),
+        (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: cannot read it"),
+        (["--web-auth"], "--web-auth needs --api-token-file"),
+        (["--api-token", "short"], "at least 16 characters"),
+    ],
+)
 def test_bad_security_flags_are_one_line_and_exit_2(voice, capsys, flags, words):
-    code = orchestrator_main(["--voice", str(voice), "--text-service", "127.0.0.1:1",
-                              "--vocoder-service", "127.0.0.1:2", "--port", "0",
-                              "--metrics-port", "-1", "--http-port", "-1", *flags])
+    code = orchestrator_main(
+        [
+            "--voice",
+            str(voice),
+            "--text-service",
+            "127.0.0.1:1",
+            "--vocoder-service",
+            "127.0.0.1:2",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--http-port",
+            "-1",
+            *flags,
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and words in err and len(err.splitlines()) == 1, err
 
 
 def test_tts_cli_reaches_a_tls_server_with_the_token(deployment, certs, token_file, tmp_path):
     def cli(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "synthesize", "hello",
-                               "--voice", "tiny", "--server", deployment.address, "-q", *flags],
-                              capture_output=True, text=True, timeout=180,
-                              env={k: v for k, v in os.environ.items()
-                                   if k != "SPLITTTS_API_TOKEN"})
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "synthesize",
+                "hello",
+                "--voice",
+                "tiny",
+                "--server",
+                deployment.address,
+                "-q",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={k: v for k, v in os.environ.items() if k != "SPLITTTS_API_TOKEN"},
+        )
 
     out = tmp_path / "hello.wav"
-    done = cli("--tls-ca", str(certs / "ca.pem"), "--api-token-file", str(token_file),
-               "-o", str(out))
+    done = cli(
+        "--tls-ca", str(certs / "ca.pem"), "--api-token-file", str(token_file), "-o", str(out)
+    )
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:4] == b"RIFF"
     refused = cli("--tls-ca", str(certs / "ca.pem"), "-o", str(tmp_path / "no.wav"))

@@ -31,13 +31,21 @@ from tests.voices import make_tts_voice
 TOKEN = "trace-token-0123456789abcdef"
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
-SERVER, CLIENT, INTERNAL = (trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT,
-                            trace_pb2.Span.SPAN_KIND_INTERNAL)
+SERVER, CLIENT, INTERNAL = (
+    trace_pb2.Span.SPAN_KIND_SERVER,
+    trace_pb2.Span.SPAN_KIND_CLIENT,
+    trace_pb2.Span.SPAN_KIND_INTERNAL,
+)
 SYNTHESIZE = "/splittts.tts.v1.TextToSpeech/Synthesize"
 GENERATE = "/splittts.text.v1.TextGeneration/Generate"
 VOCODE = "/splittts.vocoder.v1.Vocoder/Vocode"
-OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED",
-             "OTEL_TRACES_SAMPLER", "OTEL_SERVICE_NAME")
+OTEL_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_SERVICE_NAME",
+)
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -57,13 +65,23 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                 attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
                 for scope_spans in resource_spans.scope_spans:
                     for s in scope_spans.spans:
-                        self.spans.append({
-                            "service": attrs.get("service.name"), "name": s.name, "kind": s.kind,
-                            "trace": s.trace_id.hex(), "id": s.span_id.hex(),
-                            "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
-                            "end": s.end_time_unix_nano, "status": s.status.code,
-                            "attrs": {a.key: getattr(a.value, a.value.WhichOneof("value"))
-                                      for a in s.attributes}})
+                        self.spans.append(
+                            {
+                                "service": attrs.get("service.name"),
+                                "name": s.name,
+                                "kind": s.kind,
+                                "trace": s.trace_id.hex(),
+                                "id": s.span_id.hex(),
+                                "parent": s.parent_span_id.hex(),
+                                "start": s.start_time_unix_nano,
+                                "end": s.end_time_unix_nano,
+                                "status": s.status.code,
+                                "attrs": {
+                                    a.key: getattr(a.value, a.value.WhichOneof("value"))
+                                    for a in s.attributes
+                                },
+                            }
+                        )
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def take(self) -> list[dict]:
@@ -86,8 +104,9 @@ def wait_for(collector: Collector, done, timeout: float = 30.0, trace: str = "")
             time.sleep(0.3)  # anything that was still in flight
             return spans + [s for s in collector.take() if not trace or s["trace"] == trace]
         time.sleep(0.05)
-    raise AssertionError(f"spans incomplete after {timeout} s: "
-                         f"{sorted((s['service'], s['name']) for s in spans)}")
+    raise AssertionError(
+        f"spans incomplete after {timeout} s: {sorted((s['service'], s['name']) for s in spans)}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +134,17 @@ def deployment(voice, certs, collector, tmp_path_factory):
         for name in OTEL_VARS:
             mp.delenv(name, raising=False)
         info = ["--log-level", "info"]
-        local = LocalDeployment(voice, tls_dir=certs, text_args=info, vocoder_args=info,
-                                orchestrator_args=["--api-token-file", str(token_file), *info],
-                                env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
-                                     "OTEL_BSP_SCHEDULE_DELAY": "50"})
+        local = LocalDeployment(
+            voice,
+            tls_dir=certs,
+            text_args=info,
+            vocoder_args=info,
+            orchestrator_args=["--api-token-file", str(token_file), *info],
+            env={
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
+                "OTEL_BSP_SCHEDULE_DELAY": "50",
+            },
+        )
         local.start()
     yield local
     local.stop()
@@ -127,9 +153,13 @@ def deployment(voice, certs, collector, tmp_path_factory):
 def synthesize(deployment, certs, metadata=()) -> pb.LatencyReport:
     creds = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
     with grpc.secure_channel(deployment.address, creds) as ch:
-        responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-            pb.SynthesizeRequest(text="hello there. this is a test", request_id="traced"),
-            metadata=(("authorization", f"Bearer {TOKEN}"), *metadata), timeout=120))
+        responses = list(
+            tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                pb.SynthesizeRequest(text="hello there. this is a test", request_id="traced"),
+                metadata=(("authorization", f"Bearer {TOKEN}"), *metadata),
+                timeout=120,
+            )
+        )
     assert any(r.HasField("audio") for r in responses)
     return responses[-1].report
 
@@ -141,12 +171,20 @@ def one(spans: list[dict], **match) -> dict:
 
 def complete(spans: list[dict]) -> bool:
     """The whole request is in: every span of the orchestrator's call and of both backends."""
+
     def count(service, name):
         return len([s for s in spans if s["service"] == service and s["name"] == name])
-    return (count("orchestrator", SYNTHESIZE) == count("orchestrator", VOCODE)
-            == count("vocoder-service", VOCODE) == 1
-            and count("orchestrator", GENERATE) == count("text-service", GENERATE)
-            == count("text-service", "decode") > 0)
+
+    return (
+        count("orchestrator", SYNTHESIZE)
+        == count("orchestrator", VOCODE)
+        == count("vocoder-service", VOCODE)
+        == 1
+        and count("orchestrator", GENERATE)
+        == count("text-service", GENERATE)
+        == count("text-service", "decode")
+        > 0
+    )
 
 
 def check_tree(spans: list[dict], report: pb.LatencyReport) -> dict:
@@ -157,7 +195,9 @@ def check_tree(spans: list[dict], report: pb.LatencyReport) -> dict:
     assert root["attrs"]["splittts.request_id"] == "traced"
     children = [s for s in spans if s["parent"] == root["id"]]
     frontend = [s for s in children if s["name"] == "frontend"]
-    assert frontend and all(s["kind"] == INTERNAL and s["service"] == "orchestrator" for s in frontend)
+    assert frontend and all(
+        s["kind"] == INTERNAL and s["service"] == "orchestrator" for s in frontend
+    )
 
     # orchestrator -> text service: one Generate per sentence, each with its engine phases
     generate = [s for s in children if s["name"] == GENERATE]
@@ -202,8 +242,9 @@ def test_one_request_is_one_trace_across_the_three_services(deployment, certs, c
 
 def test_the_callers_traceparent_is_honoured(deployment, certs, collector):
     collector.take()
-    report = synthesize(deployment, certs,
-                        (("traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"),))
+    report = synthesize(
+        deployment, certs, (("traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"),)
+    )
     assert report.trace_id == CALLER_TRACE
     spans = wait_for(collector, complete, trace=CALLER_TRACE)
     root = check_tree(spans, report)  # every span in the caller's trace
@@ -219,32 +260,54 @@ def test_the_span_tree_with_the_sdks_in_memory_exporter(deployment, certs, colle
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     spans_file = tmp_path / "spans.jsonl"
-    backends = [a for name in ("text-service", "vocoder-service") for a in (
-        f"--{name}", deployment.by_name(name).address)]
-    orchestrator = start_service("in-memory-orchestrator", "tests.in_memory_orchestrator", [
-        "--voice", str(deployment.voice_dir), "--http-port", "-1", *backends,
-        "--tls-ca", str(certs / "ca.pem"), "--tls-client-cert", str(certs / "orchestrator.pem"),
-        "--tls-client-key", str(certs / "orchestrator-key.pem")],
-        env={"SPLITTTS_TEST_SPANS_FILE": str(spans_file)})
+    backends = [
+        a
+        for name in ("text-service", "vocoder-service")
+        for a in (f"--{name}", deployment.by_name(name).address)
+    ]
+    orchestrator = start_service(
+        "in-memory-orchestrator",
+        "tests.in_memory_orchestrator",
+        [
+            "--voice",
+            str(deployment.voice_dir),
+            "--http-port",
+            "-1",
+            *backends,
+            "--tls-ca",
+            str(certs / "ca.pem"),
+            "--tls-client-cert",
+            str(certs / "orchestrator.pem"),
+            "--tls-client-key",
+            str(certs / "orchestrator-key.pem"),
+        ],
+        env={"SPLITTTS_TEST_SPANS_FILE": str(spans_file)},
+    )
     caller = InMemorySpanExporter()  # the caller's own SDK, apart from this process's global one
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(caller))
 
     async def call() -> pb.LatencyReport:
         async with grpc.aio.insecure_channel(
-                orchestrator.address, interceptors=aio_client_interceptors(provider)) as ch:
+            orchestrator.address, interceptors=aio_client_interceptors(provider)
+        ) as ch:
             stream = tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
                 pb.SynthesizeRequest(text="hello there. this is a test", request_id="traced"),
-                timeout=120)
+                timeout=120,
+            )
             return [r async for r in stream][-1].report
 
     collector.take()
     try:
         report = asyncio.run(call())
-        backend_spans = wait_for(collector, lambda spans: len(
-            [s for s in spans if s["name"] in (GENERATE, "decode")]) == 4 and any(
-            s["service"] == "vocoder-service" and s["name"] == VOCODE for s in spans),
-            trace=report.trace_id)
+        backend_spans = wait_for(
+            collector,
+            lambda spans: (
+                len([s for s in spans if s["name"] in (GENERATE, "decode")]) == 4
+                and any(s["service"] == "vocoder-service" and s["name"] == VOCODE for s in spans)
+            ),
+            trace=report.trace_id,
+        )
     finally:
         orchestrator.proc.send_signal(signal.SIGTERM)
         assert orchestrator.proc.wait(30) == 0
@@ -261,9 +324,13 @@ def test_a_refused_token_is_on_the_server_span(deployment, certs, collector):
     creds = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
     with grpc.secure_channel(deployment.address, creds) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                pb.SynthesizeRequest(text="hello"), timeout=30,
-                metadata=(("authorization", "Bearer wrong-token-0123456789"),)))
+            list(
+                tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                    pb.SynthesizeRequest(text="hello"),
+                    timeout=30,
+                    metadata=(("authorization", "Bearer wrong-token-0123456789"),),
+                )
+            )
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     spans = wait_for(collector, lambda spans: any(s["name"] == SYNTHESIZE for s in spans))
     span = one(spans, name=SYNTHESIZE)  # the caller's fault: the status stays unset (semconv)
@@ -292,19 +359,30 @@ def test_without_an_endpoint_nothing_is_exported_and_trace_ids_still_travel(voic
     default = Collector(4317) if _free(4317) else None
     for name in OTEL_VARS:
         monkeypatch.delenv(name, raising=False)
-    local = LocalDeployment(voice, text_args=["--log-level", "info"],
-                            vocoder_args=["--log-level", "info"],
-                            env={"OTEL_BSP_SCHEDULE_DELAY": "50"})
+    local = LocalDeployment(
+        voice,
+        text_args=["--log-level", "info"],
+        vocoder_args=["--log-level", "info"],
+        env={"OTEL_BSP_SCHEDULE_DELAY": "50"},
+    )
     try:
         local.start()
         with grpc.insecure_channel(local.address) as ch:
-            responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-                pb.SynthesizeRequest(text="no collector here"), timeout=120))
+            responses = list(
+                tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                    pb.SynthesizeRequest(text="no collector here"), timeout=120
+                )
+            )
         report = responses[-1].report
         assert report.audio_s > 0 and len(report.trace_id) == 32
         deadline = time.monotonic() + 10
-        logs = lambda: "".join(local.by_name("text-service").stderr_tail +  # noqa: E731
-                               local.by_name("vocoder-service").stderr_tail)
+
+        def logs() -> str:
+            return "".join(
+                local.by_name("text-service").stderr_tail
+                + local.by_name("vocoder-service").stderr_tail
+            )
+
         while logs().count(report.trace_id) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert logs().count(report.trace_id) >= 2  # both backends logged the call's trace id
@@ -328,10 +406,21 @@ with tracing.span("frontend") as span:
 print(any(m.startswith("opentelemetry.exporter") for m in sys.modules))
 """
     env = {k: v for k, v in __import__("os").environ.items() if k not in OTEL_VARS}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=60, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    ).stdout.split()
     assert out == ["False", "True", "True", "False"]
-    disabled = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env={**env, "OTEL_SDK_DISABLED": "true"}, timeout=60,
-                              check=True).stdout.split()
+    disabled = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**env, "OTEL_SDK_DISABLED": "true"},
+        timeout=60,
+        check=True,
+    ).stdout.split()
     assert disabled == ["False", "False", "False", "False"]  # nothing at all: the API's no-op

@@ -25,7 +25,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref ** 2) / max(np.sum((ref - test) ** 2), 1e-20)))
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - test) ** 2), 1e-20)))
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,16 @@ def voice_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(voice_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    proc = ServiceProcess("vocoder_service", "--voice", str(voice_dir), "--threads", "1",
-                          "--max-streams", "8", env={"SPLITTTS_CACHE": str(cache)})
+    proc = ServiceProcess(
+        "vocoder_service",
+        "--voice",
+        str(voice_dir),
+        "--threads",
+        "1",
+        "--max-streams",
+        "8",
+        env={"SPLITTTS_CACHE": str(cache)},
+    )
     yield proc
     assert proc.stop() == 0
 
@@ -64,8 +72,11 @@ def test_health_reflection_and_info(service, voice_dir):
     assert service.health("splittts.vocoder.v1.Vocoder") == health_pb2.HealthCheckResponse.SERVING
     with service.channel() as ch:
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        reply = next(refl.ServerReflectionInfo(iter([
-            reflection_pb2.ServerReflectionRequest(list_services="")])))
+        reply = next(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+        )
         names = {s.name for s in reply.list_services_response.service}
         assert {"splittts.vocoder.v1.Vocoder", "grpc.health.v1.Health"} <= names
         info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
@@ -139,21 +150,42 @@ BAD_INPUTS = {
     "two configs": ([cfg(), cfg()], INVALID, "config: sent twice"),
     "unknown voice": ([cfg(voice="nobody")], grpc.StatusCode.NOT_FOUND, "unknown voice"),
     "no input kind": ([cfg(kind=pb.INPUT_KIND_UNSPECIFIED)], INVALID, "input_kind"),
-    "token outside codebook": ([cfg(TOKENS), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[3, 64]))],
-                               INVALID, "id 64 is outside the codebook [0, 64)"),
-    "mel wrong width": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=40, values=[0.0] * 40))],
-                        INVALID, "mel.num_mels must be 80"),
-    "mel ragged": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[0.0] * 81))],
-                   INVALID, "whole number"),
-    "nan": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[float("nan")] * 80))],
-            INVALID, "must be finite"),
-    "inf": ([cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[float("inf")] * 80))],
-            INVALID, "must be finite"),
+    "token outside codebook": (
+        [cfg(TOKENS), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[3, 64]))],
+        INVALID,
+        "id 64 is outside the codebook [0, 64)",
+    ),
+    "mel wrong width": (
+        [cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=40, values=[0.0] * 40))],
+        INVALID,
+        "mel.num_mels must be 80",
+    ),
+    "mel ragged": (
+        [cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[0.0] * 81))],
+        INVALID,
+        "whole number",
+    ),
+    "nan": (
+        [cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[float("nan")] * 80))],
+        INVALID,
+        "must be finite",
+    ),
+    "inf": (
+        [cfg(), pb.VocodeRequest(mel=pb.MelChunk(num_mels=80, values=[float("inf")] * 80))],
+        INVALID,
+        "must be finite",
+    ),
     "empty stream": ([cfg(), pb.VocodeRequest(end_of_stream=True)], INVALID, "empty stream"),
-    "chunk over limit": ([cfg(TOKENS), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[1] * 5000))],
-                         INVALID, "exceed the limit of 4096"),
-    "tokens on a mel stream": ([cfg(), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[1]))],
-                               INVALID, "configured for INPUT_KIND_MEL"),
+    "chunk over limit": (
+        [cfg(TOKENS), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[1] * 5000))],
+        INVALID,
+        "exceed the limit of 4096",
+    ),
+    "tokens on a mel stream": (
+        [cfg(), pb.VocodeRequest(tokens=pb.TokenChunk(ids=[1]))],
+        INVALID,
+        "configured for INPUT_KIND_MEL",
+    ),
 }
 
 
@@ -171,7 +203,11 @@ def wait_for_streams(service, n: int, timeout: float = 20.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         with service.channel() as ch:
-            active = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5).active_streams
+            active = (
+                vocoder_pb2_grpc.VocoderStub(ch)
+                .GetInfo(pb.GetInfoRequest(), timeout=5)
+                .active_streams
+            )
         if active == n or time.monotonic() > deadline:
             return active
         time.sleep(0.05)
@@ -198,15 +234,28 @@ def test_vanished_client_frees_its_stream(service, speech_mel):
 
 def test_metrics_exported(service):
     text = service.metrics()
-    for name in ("splittts_vocoder_first_audio_seconds_count", "splittts_vocoder_rtf_count",
-                 "splittts_vocoder_chunk_compute_seconds_count", "splittts_vocoder_batch_size_count"):
+    for name in (
+        "splittts_vocoder_first_audio_seconds_count",
+        "splittts_vocoder_rtf_count",
+        "splittts_vocoder_chunk_compute_seconds_count",
+        "splittts_vocoder_batch_size_count",
+    ):
         assert (metric_value(text, name) or 0) > 0, name
 
 
 def test_admission_cap_and_sigterm_drain(voice_dir, tmp_path, speech_mel):
-    proc = ServiceProcess("vocoder_service", "--voice", str(voice_dir), "--threads", "1",
-                          "--max-streams", "1", "--grace", "20",
-                          env={"SPLITTTS_CACHE": str(tmp_path)})
+    proc = ServiceProcess(
+        "vocoder_service",
+        "--voice",
+        str(voice_dir),
+        "--threads",
+        "1",
+        "--max-streams",
+        "1",
+        "--grace",
+        "20",
+        env={"SPLITTTS_CACHE": str(tmp_path)},
+    )
     release = threading.Event()
 
     def slow_requests():
@@ -257,18 +306,37 @@ def test_flush_emits_everything_received_and_keeps_the_stream_open(service):
     assert got_all.is_set()
 
 
-@pytest.mark.parametrize("flag,value,match", [
-    ("--shared-chunk-frames", "0", "shared_chunk_frames must be >= 1"),
-    ("--max-batch-frames", "-5", "max_batch_frames must be >= 1"),
-    ("--max-first-batch", "-1", "max_first_batch must be >= 1"),
-    ("--first-chunk-frames", "0", "first_chunk_frames must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flag,value,match",
+    [
+        ("--shared-chunk-frames", "0", "shared_chunk_frames must be >= 1"),
+        ("--max-batch-frames", "-5", "max_batch_frames must be >= 1"),
+        ("--max-first-batch", "-1", "max_first_batch must be >= 1"),
+        ("--first-chunk-frames", "0", "first_chunk_frames must be >= 1"),
+    ],
+)
 def test_bad_batching_flags_exit_2_with_one_line(voice_dir, flag, value, match):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "vocoder_service", "--voice", str(voice_dir), "--port",
-                        "0", "--metrics-port", "-1", flag, value],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vocoder_service",
+            "--voice",
+            str(voice_dir),
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            flag,
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr

@@ -26,20 +26,33 @@ from tests.procs import metric_value
 from tests.voices import make_tts_voice
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--autoplay-policy=no-user-gesture-required"]
-LONG_TEXT = " ".join(f"this is sentence number {i} and it keeps the pipeline busy." for i in range(12))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required",
+]
+LONG_TEXT = " ".join(
+    f"this is sentence number {i} and it keeps the pipeline busy." for i in range(12)
+)
 WAIT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     # decoded phoneme by phoneme (its characters), as the default voice is: the page gets word timings
-    voice_dir = make_tts_voice(tmp_path_factory.mktemp("voices"), phoneme_sync={
-        "max_tokens_per_phoneme": 3, "min_tokens_per_phoneme": 1})
-    local = LocalDeployment(voice_dir, threads={"text": 1, "vocoder": 1}, metrics_ports=(0, -1, -1),
-                            http_port=0)
+    voice_dir = make_tts_voice(
+        tmp_path_factory.mktemp("voices"),
+        phoneme_sync={"max_tokens_per_phoneme": 3, "min_tokens_per_phoneme": 1},
+    )
+    local = LocalDeployment(
+        voice_dir, threads={"text": 1, "vocoder": 1}, metrics_ports=(0, -1, -1), http_port=0
+    )
     local.start()
     yield local
     local.stop()
@@ -53,8 +66,12 @@ def browser(tmp_path_factory):
 
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1200, "height": 640})
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1200, "height": 640},
+        )
         yield context
         context.close()
 
@@ -72,8 +89,9 @@ class Tab:
         self.errors: list[str] = []
         self.page.on("pageerror", lambda exc: self.errors.append(str(exc)))
         self.page.goto(url)
-        self.page.wait_for_function("document.querySelectorAll('#voice option').length > 0",
-                                    timeout=WAIT_MS)
+        self.page.wait_for_function(
+            "document.querySelectorAll('#voice option').length > 0", timeout=WAIT_MS
+        )
         self.page.wait_for_selector("#conn.up", timeout=WAIT_MS)
 
     def state(self, key: str):
@@ -106,8 +124,12 @@ def metrics(deployment) -> str:
 
 
 def requests_total(deployment, rpc: str, status: str) -> float:
-    return metric_value(metrics(deployment), "splittts_tts_requests_total",
-                        f'rpc="{rpc}",status="{status}"') or 0.0
+    return (
+        metric_value(
+            metrics(deployment), "splittts_tts_requests_total", f'rpc="{rpc}",status="{status}"'
+        )
+        or 0.0
+    )
 
 
 def wait_until(predicate, timeout_s: float = 30.0) -> bool:
@@ -125,10 +147,16 @@ def in_flight(deployment) -> float | None:
 
 def backends_busy(deployment) -> tuple[int, int, int]:
     with grpc.insecure_channel(deployment.by_name("text-service").address) as ch:
-        mi = text_pb2_grpc.TextGenerationStub(ch).GetModelInfo(text_pb2.GetModelInfoRequest(), timeout=5)
+        mi = text_pb2_grpc.TextGenerationStub(ch).GetModelInfo(
+            text_pb2.GetModelInfoRequest(), timeout=5
+        )
     with grpc.insecure_channel(deployment.by_name("vocoder-service").address) as ch:
         vi = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(vocoder_pb2.GetInfoRequest(), timeout=5)
-    return mi.num_running + mi.num_waiting + mi.num_used_blocks, mi.num_used_state_slots, vi.active_streams
+    return (
+        mi.num_running + mi.num_waiting + mi.num_used_blocks,
+        mi.num_used_state_slots,
+        vi.active_streams,
+    )
 
 
 def test_speak_a_sentence_schedules_audio_and_fills_the_latency_panel(tab, shots):
@@ -153,10 +181,19 @@ def test_speak_a_sentence_schedules_audio_and_fills_the_latency_panel(tab, shots
     assert float(tab.page.text_content("#m-rtf")) == pytest.approx(r["rtf"], abs=5e-4)
     assert r["ttfa_ms"] > 0 and r["rtf"] > 0
     stages = tab.page.eval_on_selector_all(
-        ".stage", "rows => rows.map(r => [r.children[0].textContent, r.children[2].textContent])")
+        ".stage", "rows => rows.map(r => [r.children[0].textContent, r.children[2].textContent])"
+    )
     names = [name for name, _ in stages]
-    assert names[:5] == ["front end", "text queue", "text prefill", "text decode", "vocoder compute"]
-    assert any("text" in n and "hop" in n for n in names) and any("vocoder" in n and "hop" in n for n in names)
+    assert names[:5] == [
+        "front end",
+        "text queue",
+        "text prefill",
+        "text decode",
+        "vocoder compute",
+    ]
+    assert any("text" in n and "hop" in n for n in names) and any(
+        "vocoder" in n and "hop" in n for n in names
+    )
     assert names[-1] == "total"
     assert all(ms.endswith(" ms") and float(ms.split()[0]) >= 0 for _, ms in stages)
     assert float(stages[-1][1].split()[0]) == pytest.approx(r["total_ms"], abs=0.1)
@@ -185,8 +222,10 @@ def test_words_are_highlighted_while_they_play(tab):
     assert [w for w, _, _ in got] == words
     assert tab.page.eval_on_selector_all("#words span", "s => s.map(x => x.textContent)") == words
     # as the audio plays the highlight walks the words in order, and ends after the last one
-    tab.wait("window.splitTTS.highlighted.length >= 6 && window.splitTTS.currentWord === null"
-             " && document.querySelectorAll('#words span.said').length === 8")
+    tab.wait(
+        "window.splitTTS.highlighted.length >= 6 && window.splitTTS.currentWord === null"
+        " && document.querySelectorAll('#words span.said').length === 8"
+    )
     seen = tab.state("highlighted")
     assert seen == [w for w in words if w in seen] and seen[-1] == "turn"
     assert tab.page.eval_on_selector_all("#words span.current", "s => s.length") == 0
@@ -199,7 +238,9 @@ def test_stop_cancels_the_whole_pipeline(tab, deployment, shots):
     assert in_flight(deployment) == 1.0
     tab.page.click("#stop")
     assert wait_until(lambda: in_flight(deployment) == 0.0), "the orchestrator still has the call"
-    assert wait_until(lambda: requests_total(deployment, "Synthesize", "CANCELLED") == cancelled + 1)
+    assert wait_until(
+        lambda: requests_total(deployment, "Synthesize", "CANCELLED") == cancelled + 1
+    )
     assert wait_until(lambda: backends_busy(deployment) == (0, 0, 0)), backends_busy(deployment)
     assert tab.state("phase") == "stopped" and tab.state("report") is None
     assert tab.page.is_disabled("#stop")
@@ -223,8 +264,25 @@ def download_bytes(tab, fmt: str) -> tuple[bytes, str]:
 def ffmpeg_pcm(blob: bytes, rate: int) -> bytes:
     import subprocess
 
-    r = subprocess.run(["ffmpeg", "-v", "error", "-i", "pipe:0", "-f", "s16le", "-ac", "1", "-ar",
-                        str(rate), "pipe:1"], input=blob, capture_output=True, timeout=60)
+    r = subprocess.run(
+        [
+            "ffmpeg",
+            "-v",
+            "error",
+            "-i",
+            "pipe:0",
+            "-f",
+            "s16le",
+            "-ac",
+            "1",
+            "-ar",
+            str(rate),
+            "pipe:1",
+        ],
+        input=blob,
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr.decode()
     return r.stdout
 
@@ -238,18 +296,25 @@ def test_download_in_every_format_holds_the_audio_heard(tab):
     flac, name = download_bytes(tab, "flac")
     assert name.endswith(".flac") and flac[:4] == b"fLaC"
     assert ffmpeg_pcm(flac, 22050) == wav[44:]  # lossless: the very samples played
-    for fmt, ext, magic in (("mp3", ".mp3", None), ("opus", ".ogg", b"OggS"), ("aac", ".aac", None)):
+    for fmt, ext, magic in (
+        ("mp3", ".mp3", None),
+        ("opus", ".ogg", b"OggS"),
+        ("aac", ".aac", None),
+    ):
         blob, name = download_bytes(tab, fmt)
         assert name.endswith(ext) and (magic is None or blob[:4] == magic)
         decoded = len(ffmpeg_pcm(blob, 22050)) // 2
         assert received - 50 <= decoded < received + 4096  # codec delay and padding at most
 
 
-@pytest.mark.parametrize("query, body, status, message", [
-    ("format=aiff", b"RIFF", 400, "format must be one of mp3, flac, opus, aac"),
-    ("format=mp3", b"not a wav", 400, "not a WAV file"),
-    ("format=mp3", b"RIFF" + b"\0" * 40, 400, "not a WAV file"),
-])
+@pytest.mark.parametrize(
+    "query, body, status, message",
+    [
+        ("format=aiff", b"RIFF", 400, "format must be one of mp3, flac, opus, aac"),
+        ("format=mp3", b"not a wav", 400, "not a WAV file"),
+        ("format=mp3", b"RIFF" + b"\0" * 40, 400, "not a WAV file"),
+    ],
+)
 def test_encode_refuses_what_it_cannot_encode(deployment, query, body, status, message):
     import json
     import urllib.error
@@ -260,14 +325,26 @@ def test_encode_refuses_what_it_cannot_encode(deployment, query, body, status, m
     assert info.value.code == status and message in json.loads(info.value.read())["error"]
 
 
-@pytest.mark.parametrize("case,prepare,text,message", [
-    ("empty text", "", "", "There is nothing to speak"),
-    ("empty text, chatbot mode", "document.getElementById('chatbot').checked = true", "",
-     "There is nothing to speak"),
-    ("unknown voice", "const v = document.getElementById('voice'); v.add(new Option('nobody', 'nobody'));"
-                      "v.value = 'nobody';", "hello", "That voice is not available"),
-    ("text too long", "", "a" * 5001, "That text is too long"),
-])
+@pytest.mark.parametrize(
+    "case,prepare,text,message",
+    [
+        ("empty text", "", "", "There is nothing to speak"),
+        (
+            "empty text, chatbot mode",
+            "document.getElementById('chatbot').checked = true",
+            "",
+            "There is nothing to speak",
+        ),
+        (
+            "unknown voice",
+            "const v = document.getElementById('voice'); v.add(new Option('nobody', 'nobody'));"
+            "v.value = 'nobody';",
+            "hello",
+            "That voice is not available",
+        ),
+        ("text too long", "", "a" * 5001, "That text is too long"),
+    ],
+)
 def test_api_errors_are_shown_in_plain_words(tab, shots, case, prepare, text, message):
     tab.page.fill("#text", text)
     if prepare:
@@ -359,11 +436,27 @@ def test_busy_http_port_is_a_one_line_start_up_error(deployment):
         s.listen()
         busy = s.getsockname()[1]
         run = subprocess.run(
-            [sys.executable, "-m", "orchestrator", "--port", "0", "--metrics-port", "-1",
-             "--http-port", str(busy), "--voice", str(deployment.voice_dir),
-             "--text-service", deployment.by_name("text-service").address,
-             "--vocoder-service", deployment.by_name("vocoder-service").address],
-            capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--http-port",
+                str(busy),
+                "--voice",
+                str(deployment.voice_dir),
+                "--text-service",
+                deployment.by_name("text-service").address,
+                "--vocoder-service",
+                deployment.by_name("vocoder-service").address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert run.returncode == 2
     assert f"--http-port {busy}:" in run.stderr and "address already in use" in run.stderr
     assert "Traceback" not in run.stderr and '"serving"' not in run.stdout

@@ -21,8 +21,19 @@ WORDS = ["hello", "there", "my", "friend", "this", "is", "a", "test"]
 
 def test_spoken_units_split_words_and_han_characters():
     assert spoken_units("He said: \"it's 'fine'\" -- ok.") == ["He", "said", "it's", "fine", "ok"]
-    assert spoken_units("今天天气很好，我们去 park 吧。") == ["今", "天", "天", "气", "很", "好", "我",
-                                                        "们", "去", "park", "吧"]
+    assert spoken_units("今天天气很好，我们去 park 吧。") == [
+        "今",
+        "天",
+        "天",
+        "气",
+        "很",
+        "好",
+        "我",
+        "们",
+        "去",
+        "park",
+        "吧",
+    ]
 
 
 def test_alignment_joins_and_splits_words():
@@ -44,9 +55,11 @@ def test_spans_stop_at_the_tokens_generated():
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    voice = make_tts_voice(tmp_path_factory.mktemp("voices"), max_tokens=400,
-                           phoneme_sync={"max_tokens_per_phoneme": 3,
-                                                                 "min_tokens_per_phoneme": 1})
+    voice = make_tts_voice(
+        tmp_path_factory.mktemp("voices"),
+        max_tokens=400,
+        phoneme_sync={"max_tokens_per_phoneme": 3, "min_tokens_per_phoneme": 1},
+    )
     local = LocalDeployment(voice, threads={"text": 1, "vocoder": 1}, metrics_ports=(0, 0, 0))
     local.start()
     yield local
@@ -65,8 +78,11 @@ def collect(responses) -> tuple[list[pb.WordTiming], float]:
 
 def unary(address: str, **kwargs):
     with grpc.insecure_channel(address) as ch:
-        return collect(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
-            pb.SynthesizeRequest(text=TEXT, **kwargs), timeout=120))
+        return collect(
+            tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                pb.SynthesizeRequest(text=TEXT, **kwargs), timeout=120
+            )
+        )
 
 
 def test_word_timings_are_ordered_and_inside_the_audio(deployment):
@@ -84,13 +100,19 @@ def test_streamed_and_unary_timings_are_equal(deployment):
     pieces = ["hello there, ", "my fri", "end. this is ", "a test"]
 
     def requests():
-        yield pb.StreamingSynthesizeRequest(config=pb.StreamingSynthesizeConfig(language_code="en-US"))
+        yield pb.StreamingSynthesizeRequest(
+            config=pb.StreamingSynthesizeConfig(language_code="en-US")
+        )
         for p in pieces:
             yield pb.StreamingSynthesizeRequest(text=p)
 
     with grpc.insecure_channel(deployment.address) as ch:
-        streamed, _ = collect(tts_pb2_grpc.TextToSpeechStub(ch).StreamingSynthesize(requests(), timeout=120))
-    assert [(w.word, w.start_ms, w.end_ms) for w in streamed] == [(w.word, w.start_ms, w.end_ms) for w in words]
+        streamed, _ = collect(
+            tts_pb2_grpc.TextToSpeechStub(ch).StreamingSynthesize(requests(), timeout=120)
+        )
+    assert [(w.word, w.start_ms, w.end_ms) for w in streamed] == [
+        (w.word, w.start_ms, w.end_ms) for w in words
+    ]
 
 
 def test_speaking_rate_scales_the_timings(deployment):
@@ -98,25 +120,48 @@ def test_speaking_rate_scales_the_timings(deployment):
     fast, fast_s = unary(deployment.address, audio_config=pb.AudioConfig(speaking_rate=2.0))
     assert [w.word for w in fast] == WORDS
     for a, b in zip(words, fast):
-        assert b.start_ms == pytest.approx(a.start_ms / 2) and b.end_ms == pytest.approx(a.end_ms / 2)
+        assert b.start_ms == pytest.approx(a.start_ms / 2) and b.end_ms == pytest.approx(
+            a.end_ms / 2
+        )
     assert fast[-1].end_ms <= 1e3 * fast_s + 1e-6
 
 
 def test_cli_writes_word_timings(deployment, tmp_path):
     out, timings = tmp_path / "x.wav", tmp_path / "t.json"
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "synthesize", TEXT, "-o", str(out),
-                           "--server", deployment.address, "--timings", str(timings), "-q"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "synthesize",
+            TEXT,
+            "-o",
+            str(out),
+            "--server",
+            deployment.address,
+            "--timings",
+            str(timings),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(timings.read_text())["words"]
     words, _ = unary(deployment.address)
-    assert [(w["word"], w["start_ms"]) for w in got] == [(w.word, round(w.start_ms, 1)) for w in words]
+    assert [(w["word"], w["start_ms"]) for w in got] == [
+        (w.word, round(w.start_ms, 1)) for w in words
+    ]
 
 
 @pytest.fixture(scope="module")
 def predicted(tmp_path_factory):
-    voice = make_tts_voice(tmp_path_factory.mktemp("voices"), max_tokens=400, phoneme_sync={
-        "max_tokens_per_phoneme": 12, "durations": "random", "band": [1.0, 1.0]})
+    voice = make_tts_voice(
+        tmp_path_factory.mktemp("voices"),
+        max_tokens=400,
+        phoneme_sync={"max_tokens_per_phoneme": 12, "durations": "random", "band": [1.0, 1.0]},
+    )
     local = LocalDeployment(voice, threads={"text": 1, "vocoder": 1}, metrics_ports=(0, 0, 0))
     local.start()
     yield local
@@ -126,8 +171,14 @@ def predicted(tmp_path_factory):
 def test_speaking_rate_scales_predicted_durations_before_synthesis(predicted):
     def run(rate: float):
         with grpc.insecure_channel(predicted.address) as ch:
-            responses = list(tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(pb.SynthesizeRequest(
-                text=TEXT, audio_config=pb.AudioConfig(speaking_rate=rate)), timeout=120))
+            responses = list(
+                tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
+                    pb.SynthesizeRequest(
+                        text=TEXT, audio_config=pb.AudioConfig(speaking_rate=rate)
+                    ),
+                    timeout=120,
+                )
+            )
         words, audio_s = collect(responses)
         return words, audio_s, responses[-1].report.num_speech_tokens
 
@@ -142,9 +193,23 @@ def test_speaking_rate_scales_predicted_durations_before_synthesis(predicted):
 
 
 def test_cli_refuses_a_timings_file_in_a_missing_folder(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "synthesize", "hi", "-o",
-                           str(tmp_path / "x.wav"), "--server", "127.0.0.1:1",
-                           "--timings", str(tmp_path / "no" / "t.json")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "synthesize",
+            "hi",
+            "-o",
+            str(tmp_path / "x.wav"),
+            "--server",
+            "127.0.0.1:1",
+            "--timings",
+            str(tmp_path / "no" / "t.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--timings" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -164,9 +164,7 @@ def npu_scatter_pa_kv_cache(
     _require(key_cache.shape[:2] == value_cache.shape[:2], "key/value caches differ in blocks")
     _require(slots.shape[0] == key.shape[0], "slot_mapping length must equal the token count")
     capacity = key_cache.shape[0] * key_cache.shape[1]
-    _require(
-        bool(((slots >= 0) & (slots < capacity)).all()), f"slots must lie in [0, {capacity})"
-    )
+    _require(bool(((slots >= 0) & (slots < capacity)).all()), f"slots must lie in [0, {capacity})")
     _require(slots.unique().numel() == slots.numel(), "slot_mapping values must be unique")
     key_cache.view(-1, *key_cache.shape[2:])[slots.long()] = key
     value_cache.view(-1, *value_cache.shape[2:])[slots.long()] = value

@@ -28,27 +28,49 @@ def parse_bytes(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="text-service", description=__doc__)
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
-                   help="HF-format model directory (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--device", default="auto", help="auto (npu, then cuda, then cpu), npu, cuda, cpu")
+    p.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL_DIR),
+        help="HF-format model directory (config.json, safetensors, tokenizer.json)",
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (npu, then cuda, then cpu), npu, cuda, cpu"
+    )
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: config's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
-    p.add_argument("--metrics-port", type=int, default=9091,
-                   help="Prometheus /metrics port (0 picks a free one, -1 disables)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
-                   help="memory for KV blocks and linear-attention state slots (e.g. 512MiB)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9091,
+        help="Prometheus /metrics port (0 picks a free one, -1 disables)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=parse_bytes("1GiB"),
+        help="memory for KV blocks and linear-attention state slots (e.g. 512MiB)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the memory budget")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-pending", type=int, default=256,
-                   help="requests in flight before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-num-waiting", type=int, default=1024,
-                   help="sequences the scheduler queues before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-stream-backlog", type=int, default=64,
-                   help="tokens a request may have made ahead of its reader before it is paused")
+    p.add_argument(
+        "--max-pending", type=int, default=256, help="requests in flight before RESOURCE_EXHAUSTED"
+    )
+    p.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=1024,
+        help="sequences the scheduler queues before RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-stream-backlog",
+        type=int,
+        default=64,
+        help="tokens a request may have made ahead of its reader before it is paused",
+    )
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
@@ -72,18 +94,30 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: no config.json there")
-    engine = LLMEngine(EngineArgs(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, max_num_waiting=args.max_num_waiting,
-        enable_prefix_caching=args.prefix_caching))
+    engine = LLMEngine(
+        EngineArgs(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            max_num_waiting=args.max_num_waiting,
+            enable_prefix_caching=args.prefix_caching,
+        )
+    )
     # A dead engine loop stops the server (health NOT_SERVING, in-flight calls already failed)
     # and the process exits non-zero for its supervisor to restart it.
     stop = asyncio.Event()
-    async_engine = AsyncEngine(engine, max_pending=args.max_pending,
-                               on_failure=lambda exc: stop.set(),
-                               max_backlog=args.max_stream_backlog)
+    async_engine = AsyncEngine(
+        engine,
+        max_pending=args.max_pending,
+        on_failure=lambda exc: stop.set(),
+        max_backlog=args.max_stream_backlog,
+    )
     model_name = Path(args.model).resolve().name  # noqa: ASYNC240 - once, at start-up
     servicer = TextGenerationServicer(async_engine, model_name)
 
@@ -92,16 +126,25 @@ async def run(args: argparse.Namespace) -> None:
         async_engine.start()
 
     name = text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
-    await serve([Service(name, text_pb2_grpc.add_TextGenerationServicer_to_server, servicer)],
-                host=args.host, port=args.port,
-                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                tls=server_tls(args), reflection_on=args.reflection,
-                health_port=args.health_port,
-                warmup=warmup, grace_s=args.grace, on_stop=async_engine.stop, stop_event=stop,
-                device=args.device)
+    await serve(
+        [Service(name, text_pb2_grpc.add_TextGenerationServicer_to_server, servicer)],
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        tls=server_tls(args),
+        reflection_on=args.reflection,
+        health_port=args.health_port,
+        warmup=warmup,
+        grace_s=args.grace,
+        on_stop=async_engine.stop,
+        stop_event=stop,
+        device=args.device,
+    )
     if async_engine.error is not None:
-        raise ServiceFailed("the engine loop stopped after an internal error (logged above); "
-                            "exiting so that a supervisor restarts the service")
+        raise ServiceFailed(
+            "the engine loop stopped after an internal error (logged above); "
+            "exiting so that a supervisor restarts the service"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,9 +68,13 @@ class AsyncEngine:
     and `on_failure` is called on the event loop.
     """
 
-    def __init__(self, engine: LLMEngine, max_pending: int = 256,
-                 on_failure: Callable[[BaseException], None] | None = None,
-                 max_backlog: int = 64):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_pending: int = 256,
+        on_failure: Callable[[BaseException], None] | None = None,
+        max_backlog: int = 64,
+    ):
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be >= 1 (got {max_backlog})")
         self.engine = engine
@@ -107,17 +111,22 @@ class AsyncEngine:
         """True while the engine loop runs."""
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
         """Admit a request (already validated); raises CapacityError past `max_pending`."""
         if self.error is not None:
             raise EngineDeadError
         if len(self._streams) >= self.max_pending:
-            raise CapacityError(f"{len(self._streams)} requests in flight (max_pending="
-                                f"{self.max_pending}); retry later")
+            raise CapacityError(
+                f"{len(self._streams)} requests in flight (max_pending="
+                f"{self.max_pending}); retry later"
+            )
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        stream = RequestStream(request_id, time.perf_counter(),
-                               on_taken=lambda n: self._taken(request_id, n))
+        stream = RequestStream(
+            request_id, time.perf_counter(), on_taken=lambda n: self._taken(request_id, n)
+        )
         self._streams[request_id] = stream
         self._commands.put(("add", stream, prompt_token_ids, params))
         self._wake.set()
@@ -166,8 +175,9 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, stream, prompt, params = cmd
                 try:
-                    self.engine.add_request(stream.request_id, prompt, params,
-                                            arrival_time=stream.arrival_time)
+                    self.engine.add_request(
+                        stream.request_id, prompt, params, arrival_time=stream.arrival_time
+                    )
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     self._deliver(stream, exc)
                 else:
@@ -200,8 +210,9 @@ class AsyncEngine:
                         stream = self._running.pop(rid) if out.finished else self._running.get(rid)
                         if stream is None:
                             continue
-                        self._deliver(stream, TokenEvent(list(out.new_token_ids), out.finished,
-                                                         out.seq, now))
+                        self._deliver(
+                            stream, TokenEvent(list(out.new_token_ids), out.finished, out.seq, now)
+                        )
                         if out.finished:
                             self._backlog.pop(rid, None)
                             continue

@@ -65,8 +65,14 @@ class BlockManager:
     LRU order when slots run out.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_state_slots: int = 0, num_snapshot_slots: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        num_state_slots: int = 0,
+        num_snapshot_slots: int = 0,
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -84,8 +90,13 @@ class BlockManager:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> BlockManager:
-        return cls(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                   config.num_state_slots, config.num_snapshot_slots)
+        return cls(
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.num_state_slots,
+            config.num_snapshot_slots,
+        )
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -124,12 +135,12 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))))
+            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
         return hashes
 
     def _key(self, seq: Sequence, i: int) -> tuple[int, tuple[int, ...]]:
         parent = seq.block_hashes[i - 1] if i else _ROOT_HASH
-        return parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        return parent, tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
     def _lookup(self, seq: Sequence) -> tuple[list[int], int | None]:
         """Cached block ids of the longest usable prefix and, on hybrids, its snapshot slot."""
@@ -177,8 +188,9 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-        seq.block_table = hit + [self._take_free_block()
-                                 for _ in range(self.blocks_needed(seq.num_tokens) - len(hit))]
+        seq.block_table = hit + [
+            self._take_free_block() for _ in range(self.blocks_needed(seq.num_tokens) - len(hit))
+        ]
         seq.num_cached_tokens = len(hit) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
@@ -224,8 +236,13 @@ class BlockManager:
         Returns the live -> snapshot copy to run after the step, or None when snapshots are
         off, one exists already, or no slot can be had. `commit` publishes it.
         """
-        if (not self.enable_prefix_caching or not self.num_snapshot_slots or end <= 0
-                or end % self.block_size or seq.seq_id in self._pending):
+        if (
+            not self.enable_prefix_caching
+            or not self.num_snapshot_slots
+            or end <= 0
+            or end % self.block_size
+            or seq.seq_id in self._pending
+        ):
             return None
         h = self._hashes(seq, end // self.block_size)[end // self.block_size - 1]
         if h in self._snapshots or any(p == h for p, _ in self._pending.values()):

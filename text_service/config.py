@@ -33,8 +33,15 @@ class EngineConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         if self.is_hybrid and self.num_state_slots == 0:
             object.__setattr__(self, "num_state_slots", self.max_num_seqs)
-        for name in ("vocab_size", "max_model_len", "block_size", "num_kv_blocks",
-                     "max_num_seqs", "max_num_batched_tokens", "max_num_waiting"):
+        for name in (
+            "vocab_size",
+            "max_model_len",
+            "block_size",
+            "num_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_num_waiting",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be at least 1")
         if self.num_state_slots < 0 or self.num_snapshot_slots < 0:
@@ -46,12 +53,14 @@ class EngineConfig:
             raise ValueError(
                 f"{self.num_kv_blocks} KV blocks of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}: lower max_model_len or give "
-                "the KV cache more memory")
+                "the KV cache more memory"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode each)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill max_num_batched_tokens must be >= "
-                             "max_model_len")
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len"
+            )
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError("EngineConfig.eos_token_ids must lie inside the vocabulary")
 

@@ -58,25 +58,31 @@ class PhonemeSync:
             raise InvalidRequestError(f"{field}.phoneme_ids", "must not be empty")
         r = self.speech_token_range
         if len(r) != 2 or not all(_is_int(x) for x in r) or not 0 <= r[0] <= r[1] < vocab_size:
-            raise InvalidRequestError(f"{field}.speech_tokens",
-                                      f"must be a range [lo, hi] with 0 <= lo <= hi < {vocab_size}")
+            raise InvalidRequestError(
+                f"{field}.speech_tokens",
+                f"must be a range [lo, hi] with 0 <= lo <= hi < {vocab_size}",
+            )
         lo, hi = r
         for t in self.phoneme_ids:
             if not _is_int(t) or not 0 <= t < vocab_size:
-                raise InvalidRequestError(f"{field}.phoneme_ids",
-                                          f"id {t!r} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidRequestError(
+                    f"{field}.phoneme_ids", f"id {t!r} is outside the vocabulary [0, {vocab_size})"
+                )
             if lo <= t <= hi:
-                raise InvalidRequestError(f"{field}.phoneme_ids",
-                                          f"id {t} lies in speech_tokens [{lo}, {hi}]")
+                raise InvalidRequestError(
+                    f"{field}.phoneme_ids", f"id {t} lies in speech_tokens [{lo}, {hi}]"
+                )
         e = self.end_token_id
         if not _is_int(e) or not 0 <= e < vocab_size or lo <= e <= hi:
-            raise InvalidRequestError(f"{field}.end_token_id",
-                                      f"must be an id in [0, {vocab_size}) outside speech_tokens")
+            raise InvalidRequestError(
+                f"{field}.end_token_id", f"must be an id in [0, {vocab_size}) outside speech_tokens"
+            )
         for name in ("min_tokens", "max_tokens"):
             values = getattr(self, name)
             if len(values) != n:
-                raise InvalidRequestError(f"{field}.{name}",
-                                          f"needs one value per phoneme ({n}), got {len(values)}")
+                raise InvalidRequestError(
+                    f"{field}.{name}", f"needs one value per phoneme ({n}), got {len(values)}"
+                )
             if any(not _is_int(v) or v < 0 for v in values):
                 raise InvalidRequestError(f"{field}.{name}", "values must be integers >= 0")
         if any(a > b for a, b in zip(self.min_tokens, self.max_tokens)):
@@ -85,8 +91,10 @@ class PhonemeSync:
             raise InvalidRequestError(f"{field}.max_tokens", "allows no speech token at all")
         if self.min_output_tokens > max_tokens:
             raise InvalidRequestError(
-                "max_tokens", f"{max_tokens} cannot hold the constrained output, which needs at "
-                f"least {self.min_output_tokens} tokens")
+                "max_tokens",
+                f"{max_tokens} cannot hold the constrained output, which needs at "
+                f"least {self.min_output_tokens} tokens",
+            )
 
     def initial_state(self) -> PhonemeSyncState:
         return PhonemeSyncState()
@@ -104,7 +112,9 @@ class PhonemeSyncState:
         lo, hi = c.speech_token_range
         if lo <= token_id <= hi:
             self.run += 1
-        elif self.num_phonemes < len(c.phoneme_ids) and token_id == c.phoneme_ids[self.num_phonemes]:
+        elif (
+            self.num_phonemes < len(c.phoneme_ids) and token_id == c.phoneme_ids[self.num_phonemes]
+        ):
             self.num_phonemes += 1
             self.run = 0
 

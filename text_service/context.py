@@ -1,4 +1,5 @@
 """Per-step attention metadata shared by every layer of the model."""
+
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -41,7 +42,7 @@ class Context:
         """query_start_loc of the prefill sequences alone, counted from their first token."""
         if self.num_decodes == 0:
             return self.query_start_loc
-        return self.query_start_loc[self.num_decodes:] - self.num_decodes
+        return self.query_start_loc[self.num_decodes :] - self.num_decodes
 
     @cached_property
     def prefill_query_start_loc_list(self) -> list[int] | None:
@@ -54,12 +55,12 @@ class Context:
     @cached_property
     def decode_seq_lens_list(self) -> list[int] | None:
         """`seq_lens_list` of the decode sequences (None without it)."""
-        return None if self.seq_lens_list is None else self.seq_lens_list[:self.num_decodes]
+        return None if self.seq_lens_list is None else self.seq_lens_list[: self.num_decodes]
 
     @cached_property
     def prefill_seq_lens_list(self) -> list[int] | None:
         """`seq_lens_list` of the prefill sequences (None without it)."""
-        return None if self.seq_lens_list is None else self.seq_lens_list[self.num_decodes:]
+        return None if self.seq_lens_list is None else self.seq_lens_list[self.num_decodes :]
 
 
 _CONTEXT: Context | None = None

@@ -83,16 +83,23 @@ class LLMEngine:
         max_positions = self.model_config.max_position_embeddings
         max_model_len = args.max_model_len or min(max_positions, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > max_positions:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={max_positions}")
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={max_positions}"
+            )
         vocab_size = self.model_config.vocab_size
         eos = read_eos_token_ids(args.model, self.model_config)
         if any(not 0 <= t < vocab_size for t in eos):
             log.warning("ignoring EOS ids outside the vocabulary: %s", eos)
             eos = tuple(t for t in eos if 0 <= t < vocab_size)
-        self.runner = ModelRunner(args.model, self.device,
-                                  parse_dtype(args.dtype) if args.dtype else None,
-                                  max_model_len, eos, args.seed)
+        self.runner = ModelRunner(
+            args.model,
+            self.device,
+            parse_dtype(args.dtype) if args.dtype else None,
+            max_model_len,
+            eos,
+            args.seed,
+        )
         self.dtype = self.runner.dtype
         hybrid = self.runner.is_hybrid
         num_state_slots = args.max_num_seqs if hybrid else 0
@@ -100,28 +107,51 @@ class LLMEngine:
         num_kv_blocks = args.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = self.runner.num_kv_blocks_for(
-                args.kv_cache_memory_bytes, block_size=args.block_size,
+                args.kv_cache_memory_bytes,
+                block_size=args.block_size,
                 num_state_slots=num_state_slots + num_snapshot_slots,
-                max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=max_model_len,
+            )
         self.config = EngineConfig(
-            vocab_size=vocab_size, max_model_len=max_model_len, block_size=args.block_size,
-            num_kv_blocks=num_kv_blocks, max_num_seqs=args.max_num_seqs,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            block_size=args.block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_waiting=args.max_num_waiting, enable_prefix_caching=args.enable_prefix_caching,
-            is_hybrid=hybrid, num_state_slots=num_state_slots,
-            num_snapshot_slots=num_snapshot_slots, eos_token_ids=eos)
+            max_num_waiting=args.max_num_waiting,
+            enable_prefix_caching=args.enable_prefix_caching,
+            is_hybrid=hybrid,
+            num_state_slots=num_state_slots,
+            num_snapshot_slots=num_snapshot_slots,
+            eos_token_ids=eos,
+        )
         self.runner.allocate_caches(self.config)
         self.scheduler = Scheduler(self.config)
         self.tokenizer = _load_tokenizer(args.model)
         self._generate_ids = itertools.count()
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d, %d state + %d snapshot slots, "
-                 "%.1f MiB of caches", self.model_config.model_type, self.device, self.dtype,
-                 num_kv_blocks, args.block_size, num_state_slots, num_snapshot_slots,
-                 self.runner.cache_bytes() / 2**20)
+        log.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d, %d state + %d snapshot slots, "
+            "%.1f MiB of caches",
+            self.model_config.model_type,
+            self.device,
+            self.dtype,
+            num_kv_blocks,
+            args.block_size,
+            num_state_slots,
+            num_snapshot_slots,
+            self.runner.cache_bytes() / 2**20,
+        )
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
+    def add_request(
+        self,
+        request_id,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Sequence:
         """Queue a request; raises InvalidRequestError (bad input) or CapacityError (queue full)."""
         if arrival_time is None:
             arrival_time = time.perf_counter()
@@ -178,8 +208,9 @@ class LLMEngine:
             outputs.append(StepOutput(seq, [token_id], seq.is_finished))
         return outputs
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Run prompts to completion (offline); returns each one's output token ids in order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

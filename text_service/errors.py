@@ -32,5 +32,7 @@ class EngineDeadError(EngineError):
     status_code = "UNAVAILABLE"
 
     def __init__(self) -> None:
-        super().__init__("the text engine stopped after an internal error; this replica is "
-                         "restarting, retry on another one")
+        super().__init__(
+            "the text engine stopped after an internal error; this replica is "
+            "restarting, retry on another one"
+        )

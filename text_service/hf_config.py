@@ -1,4 +1,5 @@
 """Read a checkpoint's config.json into the (read-only) HF text-model config."""
+
 from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
@@ -12,7 +13,9 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json: expected an HF-format model directory")
+        raise FileNotFoundError(
+            f"{model_dir} has no config.json: expected an HF-format model directory"
+        )
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     if config.model_type == "qwen3_5":
         text = config.text_config.to_dict()

@@ -1,4 +1,5 @@
 """Load HF safetensors checkpoints (single file or sharded with an index) into our models."""
+
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +42,9 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, Tensor]]:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        except SafetensorError as e:  # truncated or not safetensors at all: a bad model, not a crash
+        except (
+            SafetensorError
+        ) as e:  # truncated or not safetensors at all: a bad model, not a crash
             raise WeightLoadError(f"{path} is not a readable safetensors file ({e})") from None
 
 
@@ -65,7 +68,7 @@ def _our_name(model: CausalLM, name: str) -> str | None:
     """The checkpoint name in our naming, or None for tensors the model deliberately skips."""
     for old, new in model.checkpoint_renames.items():
         if name.startswith(old):
-            name = new + name[len(old):]
+            name = new + name[len(old) :]
             break
     if name.startswith(model.ignored_checkpoint_prefixes):
         return None
@@ -109,16 +112,24 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 else:
                     load(param, tensor, shard)
             except ValueError as e:
-                raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} -> {param_name!r}: {e}") from None
+                raise WeightLoadError(
+                    f"checkpoint tensor {ckpt_name!r} -> {param_name!r}: {e}"
+                ) from None
             loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if unexpected or missing:
         problems = []
         if unexpected:
-            problems.append(f"checkpoint tensors the model does not use: {_listing(sorted(unexpected))}")
+            problems.append(
+                f"checkpoint tensors the model does not use: {_listing(sorted(unexpected))}"
+            )
         if missing:
-            problems.append(f"tensors the model needs but the checkpoint lacks: {_listing(missing)}")
-        raise WeightLoadError(f"checkpoint {model_dir} does not match {type(model).__name__}: " + "; ".join(problems))
+            problems.append(
+                f"tensors the model needs but the checkpoint lacks: {_listing(missing)}"
+            )
+        raise WeightLoadError(
+            f"checkpoint {model_dir} does not match {type(model).__name__}: " + "; ".join(problems)
+        )
 
 
 def load_model(

@@ -44,9 +44,9 @@ class _SeqArrays:
         if n > self.num_blocks:
             if n > len(self.table):
                 grown = np.empty(max(n, 2 * len(self.table)), dtype=np.int32)
-                grown[:self.num_blocks] = self.table[:self.num_blocks]
+                grown[: self.num_blocks] = self.table[: self.num_blocks]
                 self.table = grown
-            self.table[self.num_blocks:n] = blocks[self.num_blocks:]
+            self.table[self.num_blocks : n] = blocks[self.num_blocks :]
             self.num_blocks = n
         return self.table[:n]
 
@@ -54,13 +54,14 @@ class _SeqArrays:
         # Token ids are append-only for the life of a sequence.
         ids, n = seq.token_ids, len(seq.token_ids)
         if self.tokens is None or n > len(self.tokens):
-            grown = np.empty(max(n, 64, 2 * (0 if self.tokens is None else len(self.tokens))),
-                             dtype=np.int64)
+            grown = np.empty(
+                max(n, 64, 2 * (0 if self.tokens is None else len(self.tokens))), dtype=np.int64
+            )
             if self.tokens is not None:
-                grown[:self.num_tokens] = self.tokens[:self.num_tokens]
+                grown[: self.num_tokens] = self.tokens[: self.num_tokens]
             self.tokens = grown
         if n > self.num_tokens:
-            self.tokens[self.num_tokens:n] = ids[self.num_tokens:]
+            self.tokens[self.num_tokens : n] = ids[self.num_tokens :]
             self.num_tokens = n
         return self.tokens[:n]
 
@@ -68,13 +69,21 @@ class _SeqArrays:
 class ModelRunner:
     """Owns the model, its KV and state pools and the sampler; runs one SchedulerOutput a step."""
 
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype | None,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype | None,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ):
         self.device = torch.device(device)
         if self.device.type == "cpu":
             retain_freed_memory()
-        self.model = load_model(model_dir, device=self.device, dtype=dtype,
-                                max_positions=max_model_len)
+        self.model = load_model(
+            model_dir, device=self.device, dtype=dtype, max_positions=max_model_len
+        )
         self.model.pack_weights()
         self.dtype = self.model.dtype
         self.vocab_size = self.model.config.vocab_size
@@ -92,8 +101,15 @@ class ModelRunner:
         """Bytes one state slot costs over all linear-attention layers (0 without any)."""
         return state_bytes_per_slot(self.model)
 
-    def num_kv_blocks_for(self, memory_bytes: int, *, block_size: int, num_state_slots: int,
-                          max_num_seqs: int, max_model_len: int) -> int:
+    def num_kv_blocks_for(
+        self,
+        memory_bytes: int,
+        *,
+        block_size: int,
+        num_state_slots: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> int:
         """KV blocks that fit `memory_bytes` once `num_state_slots` state slots are paid for.
 
         A model without full-attention layers stores no KV: its blocks only count tokens for
@@ -104,7 +120,8 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_memory_bytes={memory_bytes} cannot hold {num_state_slots} "
                 f"linear-attention state slots of {self.state_bytes_per_slot()} bytes each: raise "
-                "it or lower max_num_seqs / num_snapshot_slots")
+                "it or lower max_num_seqs / num_snapshot_slots"
+            )
         per_block = self.kv_bytes_per_block(block_size)
         if per_block == 0:
             return max_num_seqs * -(-max_model_len // block_size)
@@ -113,22 +130,32 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_memory_bytes={memory_bytes} leaves room for {num_blocks} KV blocks "
                 f"({num_blocks * block_size} tokens) after the state slots, less than one "
-                f"sequence of max_model_len={max_model_len}: raise it or lower max_model_len")
+                f"sequence of max_model_len={max_model_len}: raise it or lower max_model_len"
+            )
         return num_blocks
 
     def allocate_caches(self, config: EngineConfig) -> None:
         """Allocate zeroed KV and state pools sized by `config` and attach them to the model."""
         # A model without full-attention layers allocates no KV whatever num_kv_blocks says.
-        allocate_caches(self.model, num_blocks=config.num_kv_blocks, block_size=config.block_size,
-                        num_slots=config.state_pool_size, device=self.device)
+        allocate_caches(
+            self.model,
+            num_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+            num_slots=config.state_pool_size,
+            device=self.device,
+        )
         self.config = config
 
     def cache_bytes(self) -> int:
         """Bytes held by the attached KV and state pools."""
-        tensors = [t for a in self.model.attention_layers().values()
-                   for t in (a.k_cache, a.v_cache)]
-        tensors += [t for m in self.model.linear_attention_layers().values()
-                    for t in (m.conv_state, m.ssm_state)]
+        tensors = [
+            t for a in self.model.attention_layers().values() for t in (a.k_cache, a.v_cache)
+        ]
+        tensors += [
+            t
+            for m in self.model.linear_attention_layers().values()
+            for t in (m.conv_state, m.ssm_state)
+        ]
         return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
     # -- one step -----------------------------------------------------------------------------
@@ -138,23 +165,24 @@ class ModelRunner:
             arrays = self._arrays[seq] = _SeqArrays()
         return arrays
 
-    def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_decodes: int,
-                 samples: list[bool]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    def _prepare(
+        self, seqs: list[Sequence], num_new_tokens: list[int], num_decodes: int, samples: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """input_ids, positions and the Context of one step, built with array ops."""
         assert self.config is not None, "allocate the cache first"
         bs = self.config.block_size
         num_seqs = len(seqs)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64,
-                             count=num_seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=num_seqs)
         lens = np.asarray(num_new_tokens, dtype=np.int64)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
         input_ids = [s.token_ids[-1] for s in seqs[:num_decodes]]  # a decode runs its last token
-        for s, c, n in zip(seqs[num_decodes:], starts[num_decodes:].tolist(),
-                           num_new_tokens[num_decodes:]):
-            input_ids += s.token_ids[c:c + n]
+        for s, c, n in zip(
+            seqs[num_decodes:], starts[num_decodes:].tolist(), num_new_tokens[num_decodes:]
+        ):
+            input_ids += s.token_ids[c : c + n]
         if num_decodes == num_seqs:
             positions, seq_of_token = starts, np.arange(num_seqs)
         else:
@@ -164,9 +192,10 @@ class ModelRunner:
         tables = [self._arrays_of(s).block_table(s) for s in seqs]
         block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
         for row, table in zip(block_tables, tables):
-            row[:len(table)] = table
-        slot_mapping = (block_tables[seq_of_token, positions // bs].astype(np.int64) * bs
-                        + positions % bs)
+            row[: len(table)] = table
+        slot_mapping = (
+            block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        )
 
         device = self.device
 
@@ -180,8 +209,9 @@ class ModelRunner:
             seq_lens=to_device(seq_lens, torch.int32),
             slot_mapping=to_device(slot_mapping, torch.int64),
             block_tables=to_device(block_tables, torch.int32),
-            state_indices=torch.tensor([s.state_slot for s in seqs], dtype=torch.int64,
-                                       device=device),
+            state_indices=torch.tensor(
+                [s.state_slot for s in seqs], dtype=torch.int64, device=device
+            ),
             has_initial_state=to_device(starts > 0, torch.bool),
             num_decodes=num_decodes,
             logits_indices=to_device(logits_indices, torch.int64),
@@ -206,8 +236,9 @@ class ModelRunner:
         if not seqs:
             return []
         samples = batch.samples
-        input_ids, positions, ctx = self._prepare(seqs, batch.num_new_tokens, batch.num_decodes,
-                                                  samples)
+        input_ids, positions, ctx = self._prepare(
+            seqs, batch.num_new_tokens, batch.num_decodes, samples
+        )
         self._copy_states(batch.copies_before)
         set_context(ctx)
         try:
@@ -220,9 +251,17 @@ class ModelRunner:
             return [None] * len(seqs)
         sampled = [s for s, sample in zip(seqs, samples) if sample]
         params = [s.sampling_params for s in sampled]
-        histories = [self._arrays_of(s).token_ids(s) if s.sampling_params.repetition_penalty != 1
-                     else None for s in sampled]
-        tokens = iter(self.sampler(logits, params, histories,
-                                   [s.num_output_tokens for s in sampled],
-                                   [s.constraint_state for s in sampled]))
+        histories = [
+            self._arrays_of(s).token_ids(s) if s.sampling_params.repetition_penalty != 1 else None
+            for s in sampled
+        ]
+        tokens = iter(
+            self.sampler(
+                logits,
+                params,
+                histories,
+                [s.num_output_tokens for s in sampled],
+                [s.constraint_state for s in sampled],
+            )
+        )
         return [next(tokens) if sample else None for sample in samples]

@@ -15,8 +15,9 @@ _FIRST_WINDOW = 1024  # top-p looks for its nucleus among this many best tokens 
 NEG_INF = float("-inf")
 
 
-def apply_repetition_penalty(logits: Tensor, rows: Tensor, penalties: Tensor,
-                             token_ids: Tensor) -> None:
+def apply_repetition_penalty(
+    logits: Tensor, rows: Tensor, penalties: Tensor, token_ids: Tensor
+) -> None:
     """HF's rule in place: for the ids in `token_ids[i]` (padded by repeats), positive logits of
     row `rows[i]` are divided by `penalties[i]` and negative ones multiplied."""
     sub = logits[rows]
@@ -28,17 +29,23 @@ def apply_repetition_penalty(logits: Tensor, rows: Tensor, penalties: Tensor,
 
 def apply_allowed_range(logits: Tensor, lo: int, hi: int, exempt_ids: tuple[int, ...] = ()) -> None:
     """Set every logit outside [lo, hi] to -inf in place, except those of `exempt_ids`."""
-    keep = logits[:, lo:hi + 1].clone()
+    keep = logits[:, lo : hi + 1].clone()
     exempt = list(exempt_ids)
     kept_exempt = logits[:, exempt].clone() if exempt else None
     logits.fill_(NEG_INF)
-    logits[:, lo:hi + 1] = keep
+    logits[:, lo : hi + 1] = keep
     if kept_exempt is not None:
         logits[:, exempt] = kept_exempt
 
 
-def apply_phoneme_sync(logits: Tensor, speech_lo: Tensor, speech_hi: Tensor, next_ids: Tensor,
-                       may_advance: Tensor, must_advance: Tensor) -> Tensor:
+def apply_phoneme_sync(
+    logits: Tensor,
+    speech_lo: Tensor,
+    speech_hi: Tensor,
+    next_ids: Tensor,
+    may_advance: Tensor,
+    must_advance: Tensor,
+) -> Tensor:
     """Phoneme-synchronous logits for a batch of rows (constraints.PhonemeSync), out of place.
 
     Row i keeps its speech logits ([speech_lo[i], speech_hi[i]]); the log of the summed
@@ -55,23 +62,29 @@ def apply_phoneme_sync(logits: Tensor, speech_lo: Tensor, speech_hi: Tensor, nex
     return out.scatter_(1, next_ids[:, None], vote[:, None])
 
 
-def apply_phoneme_sync_shared(logits: Tensor, lo: int, hi: int, next_ids: Tensor,
-                              may_advance: np.ndarray, must_advance: np.ndarray) -> None:
+def apply_phoneme_sync_shared(
+    logits: Tensor,
+    lo: int,
+    hi: int,
+    next_ids: Tensor,
+    may_advance: np.ndarray,
+    must_advance: np.ndarray,
+) -> None:
     """apply_phoneme_sync in place for rows that share one speech range [lo, hi] (the usual
     case: one voice). The bounds are host arrays: their few rows are indexed rather than every
     row masked, and the speech range is sliced rather than compared."""
     pooled = logits[:, :lo].logsumexp(-1)
     if hi + 1 < logits.shape[1]:
-        pooled = torch.logaddexp(pooled, logits[:, hi + 1:].logsumexp(-1))
+        pooled = torch.logaddexp(pooled, logits[:, hi + 1 :].logsumexp(-1))
     held = np.flatnonzero(~may_advance)
     if held.size:
         pooled[torch.from_numpy(held).to(logits.device)] = NEG_INF
     logits[:, :lo] = NEG_INF
-    logits[:, hi + 1:] = NEG_INF
+    logits[:, hi + 1 :] = NEG_INF
     forced = np.flatnonzero(must_advance)
     if forced.size:
         rows = torch.from_numpy(forced).to(logits.device)
-        logits[rows, lo:hi + 1] = NEG_INF
+        logits[rows, lo : hi + 1] = NEG_INF
         pooled[rows] = 0.0
     logits.scatter_(1, next_ids[:, None], pooled[:, None])
 
@@ -89,8 +102,13 @@ def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, T
     free_p = needs_p & (top_k == vocab)  # nucleus of the whole vocabulary: size unknown
     # probabilities before truncation, for rows whose nucleus is not bounded by top_k
     log_norm = logits.logsumexp(-1, keepdim=True) if bool(free_p.any()) else None
-    width = min(vocab, max(int(top_k[~free_p].max()) if bool((~free_p).any()) else 1,
-                           _FIRST_WINDOW if log_norm is not None else 1))
+    width = min(
+        vocab,
+        max(
+            int(top_k[~free_p].max()) if bool((~free_p).any()) else 1,
+            _FIRST_WINDOW if log_norm is not None else 1,
+        ),
+    )
     while True:
         values, ids = logits.topk(width, dim=-1)
         if log_norm is None or width == vocab:
@@ -117,8 +135,9 @@ def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     # strictly below the total, so some entry with positive probability exceeds it
-    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total,
-                           torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(
+        uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
@@ -149,8 +168,13 @@ class Sampler:
     (seed, output position), so its tokens do not depend on what else is in the batch.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
-                 eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -158,9 +182,14 @@ class Sampler:
         self._row_generator = torch.Generator(device=self.device)
 
     @torch.inference_mode()
-    def __call__(self, logits: Tensor, params: list[SamplingParams],
-                 histories: list[np.ndarray | None], steps: list[int],
-                 states: list[PhonemeSyncState | None] | None = None) -> list[int]:
+    def __call__(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        histories: list[np.ndarray | None],
+        steps: list[int],
+        states: list[PhonemeSyncState | None] | None = None,
+    ) -> list[int]:
         """Sample a token per row (penalties and masks edit `logits` in place). `histories[i]`:
         prompt + output ids so far, read only under a repetition penalty; `steps[i]`: output
         tokens so far, the offset in a seeded request's random stream; `states[i]`: the
@@ -182,8 +211,9 @@ class Sampler:
         else:
             tokens = logits.argmax(dim=-1)
             rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = self._sample([params[i] for i in random_rows], logits[rows],
-                                        [steps[i] for i in random_rows])
+            tokens[rows] = self._sample(
+                [params[i] for i in random_rows], logits[rows], [steps[i] for i in random_rows]
+            )
         # a row with no finite logit left draws past the end of its CDF: keep it in the vocabulary
         return tokens.clamp_(0, self.vocab_size - 1).tolist()
 
@@ -209,10 +239,10 @@ class Sampler:
             if len(full) == n:
                 return picked
             tokens[torch.tensor(full, device=device)] = picked
-        top_k = torch.tensor([params[i].top_k or self.vocab_size for i in truncated],
-                             device=device)
-        top_p = torch.tensor([params[i].top_p for i in truncated], dtype=logits.dtype,
-                             device=device)
+        top_k = torch.tensor([params[i].top_k or self.vocab_size for i in truncated], device=device)
+        top_p = torch.tensor(
+            [params[i].top_p for i in truncated], dtype=logits.dtype, device=device
+        )
         values, ids = top_k_top_p(_rows(logits, truncated, n), top_k, top_p)
         rank = inverse_cdf(values.softmax(-1), _rows(uniforms, truncated, n))
         picked = ids.gather(1, rank[:, None]).squeeze(1)
@@ -221,8 +251,9 @@ class Sampler:
         tokens[torch.tensor(truncated, device=device)] = picked
         return tokens
 
-    def _penalize(self, logits: Tensor, params: list[SamplingParams],
-                  histories: list[np.ndarray | None]) -> None:
+    def _penalize(
+        self, logits: Tensor, params: list[SamplingParams], histories: list[np.ndarray | None]
+    ) -> None:
         rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
         if not rows:
             return
@@ -234,13 +265,15 @@ class Sampler:
             windows.append(history[-window:] if window else history)
         ids = np.empty((len(rows), max(len(w) for w in windows)), dtype=np.int64)
         for r, w in enumerate(windows):
-            ids[r, :len(w)] = w
-            ids[r, len(w):] = w[-1]  # repeats leave the result unchanged
+            ids[r, : len(w)] = w
+            ids[r, len(w) :] = w[-1]  # repeats leave the result unchanged
         device = logits.device
-        penalties = torch.tensor([params[i].repetition_penalty for i in rows],
-                                 dtype=logits.dtype, device=device)
-        apply_repetition_penalty(logits, torch.tensor(rows, device=device), penalties,
-                                 torch.from_numpy(ids).to(device))
+        penalties = torch.tensor(
+            [params[i].repetition_penalty for i in rows], dtype=logits.dtype, device=device
+        )
+        apply_repetition_penalty(
+            logits, torch.tensor(rows, device=device), penalties, torch.from_numpy(ids).to(device)
+        )
 
     def _mask_ranges(self, logits: Tensor, params: list[SamplingParams]) -> None:
         groups: dict[tuple, list[int]] = {}  # requests usually share one speech-token range
@@ -257,8 +290,12 @@ class Sampler:
                 apply_allowed_range(sub, lo, hi, exempt)
                 logits[index] = sub
 
-    def _phoneme_sync(self, logits: Tensor, params: list[SamplingParams],
-                      states: list[PhonemeSyncState | None] | None) -> None:
+    def _phoneme_sync(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        states: list[PhonemeSyncState | None] | None,
+    ) -> None:
         rows = [i for i, p in enumerate(params) if p.phoneme_sync is not None]
         if not rows:
             return
@@ -275,13 +312,20 @@ class Sampler:
         sub = logits if every_row else logits[index]
         ranges = {c.speech_token_range for c in syncs}
         if len(ranges) == 1:
-            (lo, hi), = ranges
+            ((lo, hi),) = ranges
             apply_phoneme_sync_shared(sub, lo, hi, next_t, may, must)
         else:
-            los, his = (torch.tensor(x, device=device) for x in zip(*(c.speech_token_range
-                                                                     for c in syncs)))
-            sub = apply_phoneme_sync(sub, los, his, next_t, torch.from_numpy(may).to(device),
-                                     torch.from_numpy(must).to(device))
+            los, his = (
+                torch.tensor(x, device=device) for x in zip(*(c.speech_token_range for c in syncs))
+            )
+            sub = apply_phoneme_sync(
+                sub,
+                los,
+                his,
+                next_t,
+                torch.from_numpy(may).to(device),
+                torch.from_numpy(must).to(device),
+            )
             if every_row:
                 logits.copy_(sub)
         if not every_row:

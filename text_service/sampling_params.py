@@ -60,8 +60,13 @@ class SamplingParams:
         extra = () if self.ignore_eos else tuple(eos_token_ids)
         return tuple(dict.fromkeys(self.stop_token_ids + extra))
 
-    def validate(self, vocab_size: int, max_model_len: int, prompt_len: int,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+    def validate(
+        self,
+        vocab_size: int,
+        max_model_len: int,
+        prompt_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         """Raise InvalidRequestError naming the first field that breaks a rule."""
         if prompt_len < 1:
             raise InvalidRequestError("prompt_token_ids", "must not be empty")
@@ -69,7 +74,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "prompt_token_ids",
                 f"prompt of {prompt_len} tokens leaves no room to generate under "
-                f"max_model_len={max_model_len}")
+                f"max_model_len={max_model_len}",
+            )
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", "must be an integer of at least 1")
         if prompt_len + self.max_tokens > max_model_len:
@@ -77,12 +83,15 @@ class SamplingParams:
                 "max_tokens",
                 f"prompt ({prompt_len}) + max_tokens ({self.max_tokens}) exceeds "
                 f"max_model_len={max_model_len}; lower max_tokens to at most "
-                f"{max_model_len - prompt_len}")
+                f"{max_model_len - prompt_len}",
+            )
         # Bounds that keep logits finite: a tiny temperature or penalty scales them to inf.
-        if not _is_number(self.temperature) or not (self.temperature == 0
-                                                     or self.temperature >= 1e-4):
-            raise InvalidRequestError("temperature",
-                                      "must be 0 (greedy) or a finite number >= 0.0001")
+        if not _is_number(self.temperature) or not (
+            self.temperature == 0 or self.temperature >= 1e-4
+        ):
+            raise InvalidRequestError(
+                "temperature", "must be 0 (greedy) or a finite number >= 0.0001"
+            )
         if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError("top_k", "must be an integer >= 0 (0 = off)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -96,7 +105,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t < vocab_size:
                 raise InvalidRequestError(
-                    "stop_token_ids", f"id {t!r} is outside the vocabulary [0, {vocab_size})")
+                    "stop_token_ids", f"id {t!r} is outside the vocabulary [0, {vocab_size})"
+                )
         if self.allowed_token_range is not None:
             r = self.allowed_token_range
             if len(r) != 2 or not all(_is_int(x) for x in r):
@@ -105,12 +115,14 @@ class SamplingParams:
             if not 0 <= lo <= hi < vocab_size:
                 raise InvalidRequestError(
                     "allowed_token_range",
-                    f"[{lo}, {hi}] must satisfy 0 <= lo <= hi < vocab_size ({vocab_size})")
+                    f"[{lo}, {hi}] must satisfy 0 <= lo <= hi < vocab_size ({vocab_size})",
+                )
         if self.phoneme_sync is not None:
             c = self.phoneme_sync
             c.validate(vocab_size, self.max_tokens)
             ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
             clash = next((t for t in c.phoneme_ids if t in ends), None)
             if clash is not None:
-                raise InvalidRequestError("phoneme_sync.phoneme_ids",
-                                          f"id {clash} is a stop or end-of-sequence id")
+                raise InvalidRequestError(
+                    "phoneme_sync.phoneme_ids", f"id {clash} is a stop or end-of-sequence id"
+                )

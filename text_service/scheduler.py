@@ -48,8 +48,10 @@ class SchedulerOutput:
     @property
     def samples(self) -> list[bool]:
         """Per scheduled sequence: whether this step reaches its last token, so it samples."""
-        return [seq.num_computed_tokens + n == seq.num_tokens
-                for seq, n in zip(self.seqs, self.num_new_tokens)]
+        return [
+            seq.num_computed_tokens + n == seq.num_tokens
+            for seq, n in zip(self.seqs, self.num_new_tokens)
+        ]
 
     @property
     def is_empty(self) -> bool:
@@ -97,8 +99,9 @@ class Scheduler:
         self._seqs: dict[object, Sequence] = {}  # every unfinished sequence by id
         self.paused: set[object] = set()  # ids of running sequences not to decode for now
         self._eos = frozenset(config.eos_token_ids)
-        self._snapshots = (config.is_hybrid and config.enable_prefix_caching
-                           and config.num_snapshot_slots > 0)
+        self._snapshots = (
+            config.is_hybrid and config.enable_prefix_caching and config.num_snapshot_slots > 0
+        )
         self._align = self._snapshots and config.enable_chunked_prefill
 
     # -- requests -----------------------------------------------------------------------------
@@ -111,17 +114,21 @@ class Scheduler:
         for t in seq.token_ids:
             if not isinstance(t, int) or not 0 <= t < cfg.vocab_size:
                 raise InvalidRequestError(
-                    "prompt_token_ids", f"{t!r} is not a token id in [0, {cfg.vocab_size})")
+                    "prompt_token_ids", f"{t!r} is not a token id in [0, {cfg.vocab_size})"
+                )
         # The config keeps max_model_len within the pool; checked again so nothing can spin.
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
             raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens needs {longest} KV positions, more than the "
-                f"whole cache holds ({self.block_manager.num_blocks * cfg.block_size})")
+                "max_tokens",
+                f"prompt + max_tokens needs {longest} KV positions, more than the "
+                f"whole cache holds ({self.block_manager.num_blocks * cfg.block_size})",
+            )
         if len(self.waiting) >= cfg.max_num_waiting:
             raise CapacityError(
                 f"the waiting queue is full ({len(self.waiting)} of max_num_waiting="
-                f"{cfg.max_num_waiting}); retry later")
+                f"{cfg.max_num_waiting}); retry later"
+            )
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
@@ -151,8 +158,11 @@ class Scheduler:
         """Whether a step would have work: an unpaused running sequence or an admissible one."""
         if any(s.seq_id not in self.paused for s in self.running):
             return True
-        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs
-                and self.block_manager.can_allocate(self.waiting[0]))
+        return (
+            bool(self.waiting)
+            and len(self.running) < self.config.max_num_seqs
+            and self.block_manager.can_allocate(self.waiting[0])
+        )
 
     def get(self, seq_id: object) -> Sequence | None:
         """The unfinished sequence with this id, if any."""
@@ -163,9 +173,15 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
-        return SchedulerStats(len(self.running), len(self.waiting), bm.usage,
-                              bm.prefix_cache_queries, bm.prefix_cache_hits, self.num_preemptions,
-                              len(self.paused))
+        return SchedulerStats(
+            len(self.running),
+            len(self.waiting),
+            bm.usage,
+            bm.prefix_cache_queries,
+            bm.prefix_cache_hits,
+            self.num_preemptions,
+            len(self.paused),
+        )
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -200,8 +216,12 @@ class Scheduler:
                     break
                 budget -= self._schedule_chunk(out, seq, n)
         # Do not readmit in a step that had to preempt: blocks are short.
-        while (self.waiting and not out.preempted and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while (
+            self.waiting
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break

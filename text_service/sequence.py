@@ -26,8 +26,13 @@ class Sequence:
     caller to fill in; the core never reads a clock.
     """
 
-    def __init__(self, seq_id: str | int, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams | None = None, arrival_time: float = 0.0):
+    def __init__(
+        self,
+        seq_id: str | int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float = 0.0,
+    ):
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -55,8 +60,10 @@ class Sequence:
         return len(self.token_ids)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -71,12 +78,12 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         """The prompt (a copy)."""
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
         """The generated tokens (a copy)."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def last_token_id(self) -> int:

@@ -22,13 +22,21 @@ from text_service.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-           "abort": pb.FINISH_REASON_ABORT}
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
 # SamplingParams field -> request field, so errors name what the caller sent.
-_FIELD_NAMES = {"temperature": "sampling.temperature", "top_k": "sampling.top_k",
-                "top_p": "sampling.top_p", "repetition_penalty": "sampling.repetition_penalty",
-                "repetition_window": "sampling.repetition_window", "seed": "sampling.seed",
-                "allowed_token_range": "allowed_tokens"}
+_FIELD_NAMES = {
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "repetition_window": "sampling.repetition_window",
+    "seed": "sampling.seed",
+    "allowed_token_range": "allowed_tokens",
+}
 
 _GenerateContext = grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse]
 _InfoContext = grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo]
@@ -61,14 +69,16 @@ def _phoneme_sync(request: pb.GenerateRequest) -> PhonemeSync | None:
         raise InvalidRequestError("phoneme_sync.speech_tokens", "is required")
     n = len(m.phoneme_ids)
     if not m.max_tokens and m.max_tokens_per_phoneme == 0:
-        raise InvalidRequestError("phoneme_sync.max_tokens_per_phoneme",
-                                  "must be > 0 when max_tokens is empty")
+        raise InvalidRequestError(
+            "phoneme_sync.max_tokens_per_phoneme", "must be > 0 when max_tokens is empty"
+        )
     return PhonemeSync(
         phoneme_ids=tuple(m.phoneme_ids),
         speech_token_range=(m.speech_tokens.start, m.speech_tokens.end),
         end_token_id=m.end_token_id,
         min_tokens=tuple(m.min_tokens) if m.min_tokens else (0,) * n,
-        max_tokens=tuple(m.max_tokens) if m.max_tokens else (m.max_tokens_per_phoneme,) * n)
+        max_tokens=tuple(m.max_tokens) if m.max_tokens else (m.max_tokens_per_phoneme,) * n,
+    )
 
 
 class StreamChunks:
@@ -116,49 +126,69 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             if size > self.max_prompt_bytes:
                 raise InvalidArgument(
                     f"text: {size} bytes cannot fit the model's limit max_model_len="
-                    f"{self.max_model_len} tokens (at most {self.max_prompt_bytes} bytes)")
-            encoding = await asyncio.to_thread(tokenizer.encode, request.text,
-                                               add_special_tokens=False)
+                    f"{self.max_model_len} tokens (at most {self.max_prompt_bytes} bytes)"
+                )
+            encoding = await asyncio.to_thread(
+                tokenizer.encode, request.text, add_special_tokens=False
+            )
             return "text", encoding.ids
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
             if not ids:
                 raise InvalidArgument("token_ids.ids: must not be empty")
             if len(ids) > self.max_model_len:
-                raise InvalidArgument(f"token_ids.ids: prompt of {len(ids)} tokens is longer than "
-                                      f"the model's limit max_model_len={self.max_model_len}")
+                raise InvalidArgument(
+                    f"token_ids.ids: prompt of {len(ids)} tokens is longer than "
+                    f"the model's limit max_model_len={self.max_model_len}"
+                )
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
-                raise InvalidArgument(f"token_ids.ids: id {bad} is outside the vocabulary "
-                                      f"[0, {self.vocab_size})")
+                raise InvalidArgument(
+                    f"token_ids.ids: id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                )
             return "token_ids", ids
         raise InvalidArgument("prompt: set either text or token_ids")
 
     def _params(self, request: pb.GenerateRequest, field: str, prompt_len: int) -> SamplingParams:
         s = request.sampling
         if prompt_len > self.max_model_len:
-            raise InvalidArgument(f"{field}: prompt of {prompt_len} tokens is longer than the "
-                                  f"model's limit max_model_len={self.max_model_len}")
+            raise InvalidArgument(
+                f"{field}: prompt of {prompt_len} tokens is longer than the "
+                f"model's limit max_model_len={self.max_model_len}"
+            )
         allowed = None
         if request.HasField("allowed_tokens"):
             allowed = (request.allowed_tokens.start, request.allowed_tokens.end)
         try:
             params = SamplingParams(
-                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p or 1.0,
                 repetition_penalty=s.repetition_penalty or 1.0,
                 repetition_window=s.repetition_window,
-                seed=s.seed if s.HasField("seed") else None, max_tokens=request.max_tokens,
-                stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
-                allowed_token_range=allowed, phoneme_sync=_phoneme_sync(request))
-            params.validate(self.vocab_size, self.max_model_len, prompt_len,
-                            self.engine.engine.config.eos_token_ids)
+                seed=s.seed if s.HasField("seed") else None,
+                max_tokens=request.max_tokens,
+                stop_token_ids=tuple(request.stop_token_ids),
+                ignore_eos=request.ignore_eos,
+                allowed_token_range=allowed,
+                phoneme_sync=_phoneme_sync(request),
+            )
+            params.validate(
+                self.vocab_size,
+                self.max_model_len,
+                prompt_len,
+                self.engine.engine.config.eos_token_ids,
+            )
         except InvalidRequestError as exc:
-            name = {"prompt_token_ids": field}.get(exc.field, _FIELD_NAMES.get(exc.field, exc.field))
+            name = {"prompt_token_ids": field}.get(
+                exc.field, _FIELD_NAMES.get(exc.field, exc.field)
+            )
             raise InvalidArgument(f"{name}: {exc.rule}") from None
         return params
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: _GenerateContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: _GenerateContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the sampled token ids; the last message has finish reason, usage, timings."""
         field, prompt = await self._prompt(request)
         params = self._params(request, field, len(prompt))
@@ -195,8 +225,11 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     break
         except asyncio.CancelledError:
             remaining = context.time_remaining()
-            outcome = ("deadline" if remaining is not None and remaining < _DEADLINE_SLACK_S
-                       else "cancelled")
+            outcome = (
+                "deadline"
+                if remaining is not None and remaining < _DEADLINE_SLACK_S
+                else "cancelled"
+            )
             raise
         except Exception as exc:  # counted, then mapped to a status by servicekit
             outcome = "rejected" if isinstance(exc, CapacityError) else "failed"
@@ -209,23 +242,40 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                 self.engine.release(request_id)
         end = time.perf_counter()
         assert seq is not None  # the loop ends only on a finished event, which carries it
-        usage = pb.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
-                         cached_prompt_tokens=seq.num_cached_tokens,
-                         preemptions=seq.num_preemptions)
+        usage = pb.Usage(
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_prompt_tokens=seq.num_cached_tokens,
+            preemptions=seq.num_preemptions,
+        )
         decode_ms = _ms(token_times[0], token_times[-1]) if token_times else 0.0
         timings = pb.GenerateTimings(
             queue_ms=_ms(stream.arrival_time, seq.first_scheduled_time),
             prefill_ms=_ms(seq.first_scheduled_time, getattr(seq, "prefill_done_time", None)),
-            ttft_ms=_ms(stream.arrival_time, first_sent), decode_ms=decode_ms,
+            ttft_ms=_ms(stream.arrival_time, first_sent),
+            decode_ms=decode_ms,
             mean_itl_ms=decode_ms / (len(token_times) - 1) if len(token_times) > 1 else 0.0,
-            total_ms=_ms(stream.arrival_time, end))
+            total_ms=_ms(stream.arrival_time, end),
+        )
         self._observe(seq, timings, token_times)
         self._trace(stream.arrival_time, seq, token_times)
-        log_event(log, "request finished", request_id=request_id, prompt_tokens=len(prompt),
-                  completion_tokens=sent, finish=seq.finish_reason, ttft_ms=round(timings.ttft_ms, 2),
-                  total_ms=round(timings.total_ms, 2), trace_id=tracing.trace_id(context))
-        yield pb.GenerateResponse(first_token_index=sent, finish_reason=_FINISH.get(
-            seq.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED), usage=usage, timings=timings)
+        log_event(
+            log,
+            "request finished",
+            request_id=request_id,
+            prompt_tokens=len(prompt),
+            completion_tokens=sent,
+            finish=seq.finish_reason,
+            ttft_ms=round(timings.ttft_ms, 2),
+            total_ms=round(timings.total_ms, 2),
+            trace_id=tracing.trace_id(context),
+        )
+        yield pb.GenerateResponse(
+            first_token_index=sent,
+            finish_reason=_FINISH.get(seq.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+            usage=usage,
+            timings=timings,
+        )
 
     @staticmethod
     def _trace(arrival: float, seq, token_times: list[float]) -> None:
@@ -234,13 +284,25 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         if scheduled is not None:
             tracing.record_span("queue", arrival, scheduled)
             if prefilled is not None:
-                tracing.record_span("prefill", scheduled, prefilled, **{
-                    "splittts.prompt_tokens": seq.num_prompt_tokens,
-                    "splittts.cached_prompt_tokens": seq.num_cached_tokens})
+                tracing.record_span(
+                    "prefill",
+                    scheduled,
+                    prefilled,
+                    **{
+                        "splittts.prompt_tokens": seq.num_prompt_tokens,
+                        "splittts.cached_prompt_tokens": seq.num_cached_tokens,
+                    },
+                )
         if token_times:
-            tracing.record_span("decode", token_times[0], token_times[-1], **{
-                "splittts.completion_tokens": len(token_times),
-                "splittts.preemptions": seq.num_preemptions})
+            tracing.record_span(
+                "decode",
+                token_times[0],
+                token_times[-1],
+                **{
+                    "splittts.completion_tokens": len(token_times),
+                    "splittts.preemptions": seq.num_preemptions,
+                },
+            )
 
     def _observe(self, seq, timings: pb.GenerateTimings, token_times: list[float]) -> None:
         metrics.TTFT.observe(timings.ttft_ms / 1e3)
@@ -253,18 +315,24 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         metrics.GENERATION_TOKENS.inc(len(token_times))
         metrics.REQUESTS.labels(seq.finish_reason or "unknown").inc()
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: _InfoContext) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: _InfoContext
+    ) -> pb.ModelInfo:
         """The loaded model and the engine's limits and load."""
         core, stats = self.engine.engine, self.engine.stats
         return pb.ModelInfo(
-            model=self.model_name, model_type=core.model_config.model_type,
-            vocab_size=core.config.vocab_size, max_model_len=core.config.max_model_len,
-            eos_token_ids=list(core.config.eos_token_ids), device=str(core.device),
-            dtype=str(core.dtype).removeprefix("torch."), block_size=core.config.block_size,
+            model=self.model_name,
+            model_type=core.model_config.model_type,
+            vocab_size=core.config.vocab_size,
+            max_model_len=core.config.max_model_len,
+            eos_token_ids=list(core.config.eos_token_ids),
+            device=str(core.device),
+            dtype=str(core.dtype).removeprefix("torch."),
+            block_size=core.config.block_size,
             num_kv_blocks=core.config.num_kv_blocks,
             num_used_blocks=int(stats.get("num_used_blocks", 0)),
             num_running=int(stats.get("num_running", 0)),
             num_waiting=int(stats.get("num_waiting", 0)),
             num_used_state_slots=int(stats.get("num_used_state_slots", 0)),
-            max_pending_requests=self.engine.max_pending)
+            max_pending_requests=self.engine.max_pending,
+        )

@@ -18,42 +18,90 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vocoder-service", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052, help="gRPC port (0 picks a free one)")
-    p.add_argument("--metrics-port", type=int, default=9092,
-                   help="Prometheus /metrics port (0 picks a free one, -1 disables)")
-    p.add_argument("--voice", action="append", default=[], metavar="DIR",
-                   help="voice directory (repeatable; the first is the default). Default: "
-                        "voices/default when present, else the pretrained universal HiFi-GAN")
-    p.add_argument("--checkpoint", help="a HiFi-GAN generator checkpoint (file or folder) to "
-                   "serve as a mel-only voice instead of --voice")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9092,
+        help="Prometheus /metrics port (0 picks a free one, -1 disables)",
+    )
+    p.add_argument(
+        "--voice",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="voice directory (repeatable; the first is the default). Default: "
+        "voices/default when present, else the pretrained universal HiFi-GAN",
+    )
+    p.add_argument(
+        "--checkpoint",
+        help="a HiFi-GAN generator checkpoint (file or folder) to "
+        "serve as a mel-only voice instead of --voice",
+    )
     p.add_argument("--backend", choices=("onnx", "torch"), default="onnx")
     p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
     p.add_argument("--fp16", action="store_true", help="run the generator in fp16 (GPU/NPU)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
-    p.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
-                   help="let ONNX Runtime's idle workers spin (faster on dedicated cores; steals "
-                        "CPU from other services on shared ones)")
-    p.add_argument("--first-chunk-frames", type=int, default=4,
-                   help="new frames in a stream's first job (its time to first audio)")
+    p.add_argument(
+        "--spin",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let ONNX Runtime's idle workers spin (faster on dedicated cores; steals "
+        "CPU from other services on shared ones)",
+    )
+    p.add_argument(
+        "--first-chunk-frames",
+        type=int,
+        default=4,
+        help="new frames in a stream's first job (its time to first audio)",
+    )
     p.add_argument("--chunk-growth", type=float, default=2.0)
-    p.add_argument("--max-chunk-frames", type=int, default=128,
-                   help="most new frames in one job while a stream has the generator to itself")
-    p.add_argument("--shared-chunk-frames", type=int, default=32,
-                   help="most new frames in one job while other streams are open")
-    p.add_argument("--buffer-share", type=float, default=0.5,
-                   help="share of a listener's buffered audio that gathering and vocoding its "
-                        "next chunk may take (bounds chunk sizes by the playout clock)")
-    p.add_argument("--max-batch-frames", type=int, default=0,
-                   help="window frames in one forward (0: 64 on CPU, 1024 on accelerators)")
-    p.add_argument("--max-first-batch", type=int, default=0,
-                   help="streams' first chunks in one forward while any waits (0: 1 on CPU, "
-                        "32 on accelerators)")
-    p.add_argument("--streaming", choices=("auto", "stateful", "windowed"), default="auto",
-                   help="stateful: each layer keeps its input tail, no work repeated, one stream "
-                        "per forward; windowed: each chunk recomputes its context, many streams "
-                        "per forward (auto: stateful on CPU, windowed on accelerators)")
+    p.add_argument(
+        "--max-chunk-frames",
+        type=int,
+        default=128,
+        help="most new frames in one job while a stream has the generator to itself",
+    )
+    p.add_argument(
+        "--shared-chunk-frames",
+        type=int,
+        default=32,
+        help="most new frames in one job while other streams are open",
+    )
+    p.add_argument(
+        "--buffer-share",
+        type=float,
+        default=0.5,
+        help="share of a listener's buffered audio that gathering and vocoding its "
+        "next chunk may take (bounds chunk sizes by the playout clock)",
+    )
+    p.add_argument(
+        "--max-batch-frames",
+        type=int,
+        default=0,
+        help="window frames in one forward (0: 64 on CPU, 1024 on accelerators)",
+    )
+    p.add_argument(
+        "--max-first-batch",
+        type=int,
+        default=0,
+        help="streams' first chunks in one forward while any waits (0: 1 on CPU, "
+        "32 on accelerators)",
+    )
+    p.add_argument(
+        "--streaming",
+        choices=("auto", "stateful", "windowed"),
+        default="auto",
+        help="stateful: each layer keeps its input tail, no work repeated, one stream "
+        "per forward; windowed: each chunk recomputes its context, many streams "
+        "per forward (auto: stateful on CPU, windowed on accelerators)",
+    )
     p.add_argument("--max-streams", type=int, default=64)
-    p.add_argument("--max-audio-ahead", type=float, default=2.0,
-                   help="seconds of audio a stream may have in the making ahead of its reader")
+    p.add_argument(
+        "--max-audio-ahead",
+        type=float,
+        default=2.0,
+        help="seconds of audio a stream may have in the making ahead of its reader",
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="warning")
     add_server_flags(p)
@@ -74,8 +122,9 @@ def load(args: argparse.Namespace):
         ckpt = resolve_checkpoint(args.checkpoint)
         voices = [VocoderVoice(Path(args.checkpoint).stem, ckpt)]
     else:
-        dirs = args.voice or ([DEFAULT_VOICE_DIR] if (DEFAULT_VOICE_DIR / "voice.json").is_file()
-                              else [None])
+        dirs = args.voice or (
+            [DEFAULT_VOICE_DIR] if (DEFAULT_VOICE_DIR / "voice.json").is_file() else [None]
+        )
         voices = [load_voice(d) for d in dirs]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -86,11 +135,16 @@ def load(args: argparse.Namespace):
         key = voice.generator.fingerprint
         if key not in by_generator:
             if args.backend == "onnx":
-                by_generator[key] = OnnxBackend(voice.generator, intra_op_threads=args.threads,
-                                                fp16=args.fp16 or None, allow_spinning=args.spin)
+                by_generator[key] = OnnxBackend(
+                    voice.generator,
+                    intra_op_threads=args.threads,
+                    fp16=args.fp16 or None,
+                    allow_spinning=args.spin,
+                )
             else:
-                by_generator[key] = TorchBackend(voice.generator, fp16=args.fp16,
-                                                 device=select_device(args.device))
+                by_generator[key] = TorchBackend(
+                    voice.generator, fp16=args.fp16, device=select_device(args.device)
+                )
         backends[voice.name] = by_generator[key]
     return voices, backends
 
@@ -102,25 +156,37 @@ async def run(args: argparse.Namespace) -> None:
 
     voices, backends = load(args)
     servicer = VocoderServicer(
-        voices, backends,
-        policy=ChunkPolicy(args.first_chunk_frames, args.chunk_growth, args.max_chunk_frames,
-                           args.shared_chunk_frames, args.buffer_share),
-        limits=VocoderLimits(max_streams=args.max_streams,
-                             max_audio_ahead_s=args.max_audio_ahead),
+        voices,
+        backends,
+        policy=ChunkPolicy(
+            args.first_chunk_frames,
+            args.chunk_growth,
+            args.max_chunk_frames,
+            args.shared_chunk_frames,
+            args.buffer_share,
+        ),
+        limits=VocoderLimits(max_streams=args.max_streams, max_audio_ahead_s=args.max_audio_ahead),
         max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames,
         max_first_batch=None if args.max_first_batch == 0 else args.max_first_batch,
-        streaming=args.streaming)
+        streaming=args.streaming,
+    )
     servicer.start()
 
     name = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name
-    await serve([Service(name, vocoder_pb2_grpc.add_VocoderServicer_to_server, servicer)],
-                host=args.host, port=args.port,
-                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                tls=server_tls(args), reflection_on=args.reflection,
-                health_port=args.health_port,
-                warmup=servicer.warmup, grace_s=args.grace, on_stop=servicer.close,
-                # the ONNX backend's card is found the same way: npu-smi, then NVML
-                device=args.device)
+    await serve(
+        [Service(name, vocoder_pb2_grpc.add_VocoderServicer_to_server, servicer)],
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        tls=server_tls(args),
+        reflection_on=args.reflection,
+        health_port=args.health_port,
+        warmup=servicer.warmup,
+        grace_s=args.grace,
+        on_stop=servicer.close,
+        # the ONNX backend's card is found the same way: npu-smi, then NVML
+        device=args.device,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

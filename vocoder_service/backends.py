@@ -61,8 +61,9 @@ class Backend:
         """Vocode a batch of equal-length mel windows in one forward."""
         raise NotImplementedError
 
-    def run_stream(self, mel: np.ndarray, state: list | None, final: bool = False
-                   ) -> tuple[np.ndarray, list]:
+    def run_stream(
+        self, mel: np.ndarray, state: list | None, final: bool = False
+    ) -> tuple[np.ndarray, list]:
         """One stream's next chunk through the stateful generator (see `streaming.py`).
 
         mel `[1, num_mels, new frames]` (only frames not sent before; 0 frames is allowed on
@@ -77,14 +78,16 @@ class Backend:
         mel = np.zeros((1, self.num_mels, frames), dtype=np.float32)
         self.run(mel)
         if stateful:
-            _, state = self.run_stream(np.zeros((1, self.num_mels, self.receptive_field[1] + 4),
-                                                dtype=np.float32), None)
+            _, state = self.run_stream(
+                np.zeros((1, self.num_mels, self.receptive_field[1] + 4), dtype=np.float32), None
+            )
             self.run_stream(mel, state, final=True)
 
     def _check(self, mel: np.ndarray | torch.Tensor) -> None:
         if mel.ndim != 3 or mel.shape[1] != self.num_mels or mel.shape[2] < 1:
-            raise ValueError(f"mel must be [batch, {self.num_mels}, frames >= 1] "
-                             f"(got shape {tuple(mel.shape)})")
+            raise ValueError(
+                f"mel must be [batch, {self.num_mels}, frames >= 1] (got shape {tuple(mel.shape)})"
+            )
 
 
 class TorchBackend(Backend):
@@ -92,8 +95,13 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, generator: Generator | GeneratorCheckpoint | str | Path | None = None, *,
-                 device: str | torch.device = "cpu", fp16: bool = False):
+    def __init__(
+        self,
+        generator: Generator | GeneratorCheckpoint | str | Path | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        fp16: bool = False,
+    ):
         dtype = torch.float16 if fp16 else torch.float32
         if not isinstance(generator, Generator):
             generator = load_generator(generator)
@@ -157,8 +165,9 @@ class _StreamExportWrapper(nn.Module):
         return (audio.float(), *state)
 
 
-def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False,
-                stream: str | None = None) -> Path:
+def export_onnx(
+    checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False, stream: str | None = None
+) -> Path:
     """Export the generator (legacy exporter, opset 17, dynamic batch and time); atomic write.
 
     `stream` "step" or "final" exports the stateful streaming graph instead (`streaming.py`),
@@ -171,10 +180,14 @@ def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False,
     generator = load_generator(checkpoint, device=device, dtype=dtype)
     if stream is None:
         wrapper: nn.Module = _ExportWrapper(generator, fp16).eval()
-        dummy: tuple[torch.Tensor, ...] = (torch.zeros(1, checkpoint.config.num_mels, 2, device=device),)
-        names: dict[str, Any] = dict(input_names=["mel"], output_names=["audio"],
-                     dynamic_axes={"mel": {0: "batch", 2: "frames"},
-                                   "audio": {0: "batch", 1: "samples"}})
+        dummy: tuple[torch.Tensor, ...] = (
+            torch.zeros(1, checkpoint.config.num_mels, 2, device=device),
+        )
+        names: dict[str, Any] = dict(
+            input_names=["mel"],
+            output_names=["audio"],
+            dynamic_axes={"mel": {0: "batch", 2: "frames"}, "audio": {0: "batch", 1: "samples"}},
+        )
     else:
         streamed = _StreamExportWrapper(generator, fp16, stream == "final")
         wrapper = streamed
@@ -184,10 +197,15 @@ def export_onnx(checkpoint: GeneratorCheckpoint, path: Path, fp16: bool = False,
         dummy = (torch.zeros(1, checkpoint.config.num_mels, frames, device=device), *state)
         inputs = [f"state{i}" for i in range(len(state))]
         outputs = [f"next{i}" for i in range(len(state))]
-        names = dict(input_names=["mel", *inputs], output_names=["audio", *outputs],
-                     dynamic_axes={"mel": {0: "batch", 2: "frames"},
-                                   "audio": {0: "batch", 1: "samples"},
-                                   **{n: {0: "batch", 3: f"{n}_len"} for n in inputs + outputs}})
+        names = dict(
+            input_names=["mel", *inputs],
+            output_names=["audio", *outputs],
+            dynamic_axes={
+                "mel": {0: "batch", 2: "frames"},
+                "audio": {0: "batch", 1: "samples"},
+                **{n: {0: "batch", 3: f"{n}_len"} for n in inputs + outputs},
+            },
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".onnx.tmp")
     os.close(fd)
@@ -216,23 +234,36 @@ class OnnxBackend(Backend):
 
     name = "onnxruntime"
 
-    def __init__(self, checkpoint: GeneratorCheckpoint | str | Path | None = None, *,
-                 cache_dir: str | Path | None = None, use_cuda: bool | None = None,
-                 fp16: bool | None = None, intra_op_threads: int = 0,
-                 graph_optimization: str = "all", allow_spinning: bool = True):
+    def __init__(
+        self,
+        checkpoint: GeneratorCheckpoint | str | Path | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        use_cuda: bool | None = None,
+        fp16: bool | None = None,
+        intra_op_threads: int = 0,
+        graph_optimization: str = "all",
+        allow_spinning: bool = True,
+    ):
         import onnxruntime as ort
 
         if not isinstance(checkpoint, GeneratorCheckpoint):
             checkpoint = resolve_checkpoint(checkpoint)
         if graph_optimization not in GRAPH_OPTIMIZATION_LEVELS:
-            raise ValueError(f"graph_optimization must be one of {GRAPH_OPTIMIZATION_LEVELS} "
-                             f"(got {graph_optimization!r})")
+            raise ValueError(
+                f"graph_optimization must be one of {GRAPH_OPTIMIZATION_LEVELS} "
+                f"(got {graph_optimization!r})"
+            )
         if intra_op_threads < 0:
-            raise ValueError(f"intra_op_threads must be >= 0, 0 meaning ORT's default (got {intra_op_threads})")
+            raise ValueError(
+                f"intra_op_threads must be >= 0, 0 meaning ORT's default (got {intra_op_threads})"
+            )
         cuda_present = "CUDAExecutionProvider" in ort.get_available_providers()
         if use_cuda and not cuda_present:
-            raise ValueError("use_cuda=True but onnxruntime has no CUDAExecutionProvider "
-                             "(install onnxruntime-gpu on a CUDA host)")
+            raise ValueError(
+                "use_cuda=True but onnxruntime has no CUDAExecutionProvider "
+                "(install onnxruntime-gpu on a CUDA host)"
+            )
         self.use_cuda = cuda_present if use_cuda is None else use_cuda
         self.fp16 = self.use_cuda if fp16 is None else fp16
         self.config = checkpoint.config
@@ -250,7 +281,8 @@ class OnnxBackend(Backend):
             "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
             "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[graph_optimization]
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[graph_optimization]
         opts.intra_op_num_threads = intra_op_threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -260,7 +292,9 @@ class OnnxBackend(Backend):
         # before it closes its sockets), so callers would learn of a crash later.
         opts.enable_mem_pattern = False
         # spinning workers cut latency on dedicated cores but steal time on shared ones
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+        opts.add_session_config_entry(
+            "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
+        )
         providers: list = ["CPUExecutionProvider"]
         if self.use_cuda:
             providers.insert(0, ("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"}))
@@ -271,8 +305,10 @@ class OnnxBackend(Backend):
     def _export_path(self, stream: str | None = None) -> Path:
         precision = "fp16" if self.fp16 else "fp32"
         kind = "" if stream is None else f"-stream-{stream}"
-        return self._cache / (f"hifigan-{self.checkpoint.fingerprint[:24]}-v{_EXPORT_VERSION}"
-                              f"-op{ONNX_OPSET}-{precision}{kind}.onnx")
+        return self._cache / (
+            f"hifigan-{self.checkpoint.fingerprint[:24]}-v{_EXPORT_VERSION}"
+            f"-op{ONNX_OPSET}-{precision}{kind}.onnx"
+        )
 
     def _streaming_sessions(self):
         import onnxruntime as ort
@@ -282,11 +318,16 @@ class OnnxBackend(Backend):
             for kind in ("step", "final"):
                 path = self._export_path(kind)
                 if not path.is_file():
-                    log.info("exporting the %s streaming graph of %s to %s", kind,
-                             self.checkpoint.path, path)
+                    log.info(
+                        "exporting the %s streaming graph of %s to %s",
+                        kind,
+                        self.checkpoint.path,
+                        path,
+                    )
                     export_onnx(self.checkpoint, path, fp16=self.fp16, stream=kind)
-                sessions.append(ort.InferenceSession(str(path), self._opts,
-                                                     providers=self._providers))
+                sessions.append(
+                    ort.InferenceSession(str(path), self._opts, providers=self._providers)
+                )
             dtype = torch.float16 if self.fp16 else torch.float32
             self._initial_state = [t.numpy() for t in initial_state(self.config, 1, dtype)]
             self._state_names = [i.name for i in sessions[0].get_inputs()][1:]
@@ -319,16 +360,27 @@ class OnnxBackend(Backend):
 BACKEND_KINDS = ("onnxruntime", "torch")
 
 
-def create_backend(kind: str = "onnxruntime", checkpoint: GeneratorCheckpoint | str | Path | None = None, *,
-                   device: str = "auto", fp16: bool | None = None, intra_op_threads: int = 0,
-                   cache_dir: str | Path | None = None) -> Backend:
+def create_backend(
+    kind: str = "onnxruntime",
+    checkpoint: GeneratorCheckpoint | str | Path | None = None,
+    *,
+    device: str = "auto",
+    fp16: bool | None = None,
+    intra_op_threads: int = 0,
+    cache_dir: str | Path | None = None,
+) -> Backend:
     """Backend by name. device: 'auto', 'cpu', 'cuda[:i]', 'npu' (torch only); fp16 None = on GPUs."""
     if kind in ("onnxruntime", "onnx", "ort"):
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"the onnxruntime backend runs on 'cpu' or 'cuda' (got {device!r})")
         use_cuda = None if device == "auto" else device == "cuda"
-        return OnnxBackend(checkpoint, cache_dir=cache_dir, use_cuda=use_cuda, fp16=fp16,
-                           intra_op_threads=intra_op_threads)
+        return OnnxBackend(
+            checkpoint,
+            cache_dir=cache_dir,
+            use_cuda=use_cuda,
+            fp16=fp16,
+            intra_op_threads=intra_op_threads,
+        )
     if kind == "torch":
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

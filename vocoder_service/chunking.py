@@ -38,8 +38,10 @@ class ChunkPolicy:
         if self.growth < 1.0:
             raise ValueError(f"growth must be >= 1 (got {self.growth})")
         if self.max_chunk_frames < self.first_chunk_frames:
-            raise ValueError(f"max_chunk_frames ({self.max_chunk_frames}) must be >= "
-                             f"first_chunk_frames ({self.first_chunk_frames})")
+            raise ValueError(
+                f"max_chunk_frames ({self.max_chunk_frames}) must be >= "
+                f"first_chunk_frames ({self.first_chunk_frames})"
+            )
         if self.shared_chunk_frames < 1:
             raise ValueError(f"shared_chunk_frames must be >= 1 (got {self.shared_chunk_frames})")
         if not 0.0 < self.buffer_share <= 1.0:
@@ -47,7 +49,11 @@ class ChunkPolicy:
 
     def cap(self, shared: bool = False) -> int:
         """Most new frames in one job, whatever the buffer."""
-        return min(self.shared_chunk_frames, self.max_chunk_frames) if shared else self.max_chunk_frames
+        return (
+            min(self.shared_chunk_frames, self.max_chunk_frames)
+            if shared
+            else self.max_chunk_frames
+        )
 
     def limit(self, shared: bool = False, pace: Pace | None = None) -> int:
         """Most new frames in one job: the cap, and what can be vocoded in time under `pace`."""

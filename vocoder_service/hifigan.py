@@ -16,8 +16,14 @@ from torch.nn.utils.parametrizations import weight_norm
 
 LRELU_SLOPE = 0.1
 EDGE_KERNEL = 7  # conv_pre and conv_post
-_REQUIRED = ("resblock", "upsample_rates", "upsample_kernel_sizes", "upsample_initial_channel",
-             "resblock_kernel_sizes", "resblock_dilation_sizes")
+_REQUIRED = (
+    "resblock",
+    "upsample_rates",
+    "upsample_kernel_sizes",
+    "upsample_initial_channel",
+    "resblock_kernel_sizes",
+    "resblock_dilation_sizes",
+)
 
 
 @dataclass(frozen=True)
@@ -42,15 +48,23 @@ class HifiGanConfig:
         if self.resblock not in ("1", "2"):
             raise ValueError(f"resblock must be '1' or '2' (got {self.resblock!r})")
         if len(self.upsample_rates) != len(self.upsample_kernel_sizes) or not self.upsample_rates:
-            raise ValueError("upsample_rates and upsample_kernel_sizes must be non-empty and of equal length")
+            raise ValueError(
+                "upsample_rates and upsample_kernel_sizes must be non-empty and of equal length"
+            )
         for u, k in zip(self.upsample_rates, self.upsample_kernel_sizes):
             if u < 1 or k < u or (k - u) % 2:
-                raise ValueError(f"upsample kernel {k} with rate {u}: need kernel >= rate and an even "
-                                 "difference, else the output is not frames * hop_size samples long")
+                raise ValueError(
+                    f"upsample kernel {k} with rate {u}: need kernel >= rate and an even "
+                    "difference, else the output is not frames * hop_size samples long"
+                )
         if len(self.resblock_kernel_sizes) != len(self.resblock_dilation_sizes):
-            raise ValueError("resblock_kernel_sizes and resblock_dilation_sizes must have equal length")
+            raise ValueError(
+                "resblock_kernel_sizes and resblock_dilation_sizes must have equal length"
+            )
         if any(k % 2 == 0 for k in self.resblock_kernel_sizes):
-            raise ValueError(f"resblock kernel sizes must be odd (got {list(self.resblock_kernel_sizes)})")
+            raise ValueError(
+                f"resblock kernel sizes must be odd (got {list(self.resblock_kernel_sizes)})"
+            )
         if self.resblock == "2" and any(len(d) != 2 for d in self.resblock_dilation_sizes):
             raise ValueError("resblock '2' needs exactly two dilations per kernel")
         if self.upsample_initial_channel % (2 ** len(self.upsample_rates)):
@@ -58,7 +72,8 @@ class HifiGanConfig:
         if math.prod(self.upsample_rates) != self.hop_size:
             raise ValueError(
                 f"prod(upsample_rates) = {math.prod(self.upsample_rates)} but hop_size = {self.hop_size}: "
-                "the generator would not produce hop_size samples per mel frame; fix config.json")
+                "the generator would not produce hop_size samples per mel frame; fix config.json"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HifiGanConfig:
@@ -71,7 +86,9 @@ class HifiGanConfig:
         kw["resblock"] = str(kw["resblock"])
         for key in ("upsample_rates", "upsample_kernel_sizes", "resblock_kernel_sizes"):
             kw[key] = tuple(int(v) for v in kw[key])
-        kw["resblock_dilation_sizes"] = tuple(tuple(int(v) for v in d) for d in kw["resblock_dilation_sizes"])
+        kw["resblock_dilation_sizes"] = tuple(
+            tuple(int(v) for v in d) for d in kw["resblock_dilation_sizes"]
+        )
         return cls(**kw)
 
     @classmethod
@@ -104,8 +121,10 @@ def receptive_field_frames(config: HifiGanConfig) -> tuple[int, int]:
     Walks the network backwards with integer index intervals: a chunk padded by this much on each
     side and trimmed reproduces offline synthesis.
     """
-    widest = max(resblock_reach(config, k, d)
-                 for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes))
+    widest = max(
+        resblock_reach(config, k, d)
+        for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes)
+    )
     frame = 1_000  # any frame away from the edges
     edge = (EDGE_KERNEL - 1) // 2
     lo, hi = frame * config.hop_size - edge, (frame + 1) * config.hop_size - 1 + edge  # conv_post
@@ -169,11 +188,17 @@ class ResBlock1(nn.Module):
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
         super().__init__()
         self.convs1 = nn.ModuleList(
-            weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=(kernel_size - 1) * d // 2))
-            for d in dilations)
+            weight_norm(
+                nn.Conv1d(
+                    channels, channels, kernel_size, dilation=d, padding=(kernel_size - 1) * d // 2
+                )
+            )
+            for d in dilations
+        )
         self.convs2 = nn.ModuleList(
             weight_norm(nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2))
-            for _ in dilations)
+            for _ in dilations
+        )
 
     def forward(self, x: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
         for c1, c2 in zip(self.convs1, self.convs2):
@@ -188,8 +213,13 @@ class ResBlock2(nn.Module):
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
         super().__init__()
         self.convs = nn.ModuleList(
-            weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=(kernel_size - 1) * d // 2))
-            for d in dilations)
+            weight_norm(
+                nn.Conv1d(
+                    channels, channels, kernel_size, dilation=d, padding=(kernel_size - 1) * d // 2
+                )
+            )
+            for d in dilations
+        )
 
     def forward(self, x: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
         for c in self.convs:
@@ -210,18 +240,26 @@ class Generator(nn.Module):
         self.config = config
         ch = config.upsample_initial_channel
         self.num_kernels = len(config.resblock_kernel_sizes)
-        self.conv_pre = weight_norm(nn.Conv1d(config.num_mels, ch, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2))
+        self.conv_pre = weight_norm(
+            nn.Conv1d(config.num_mels, ch, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2)
+        )
         block = ResBlock1 if config.resblock == "1" else ResBlock2
         self.ups = nn.ModuleList()
         self.resblocks = nn.ModuleList()
         for i, (u, k) in enumerate(zip(config.upsample_rates, config.upsample_kernel_sizes)):
             c_in, c_out = ch // 2**i, ch // 2 ** (i + 1)
-            self.ups.append(weight_norm(nn.ConvTranspose1d(c_in, c_out, k, u, padding=(k - u) // 2)))
+            self.ups.append(
+                weight_norm(nn.ConvTranspose1d(c_in, c_out, k, u, padding=(k - u) // 2))
+            )
             for k_rb, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes):
                 self.resblocks.append(block(c_out, k_rb, d))
-        self.conv_post = weight_norm(nn.Conv1d(c_out, 1, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2))
-        reach = [resblock_reach(config, k, d)
-                 for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes)]
+        self.conv_post = weight_norm(
+            nn.Conv1d(c_out, 1, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2)
+        )
+        reach = [
+            resblock_reach(config, k, d)
+            for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes)
+        ]
         self.lagging = reach.index(max(reach))  # the block whose output a stream has least of
 
     @property
@@ -237,7 +275,7 @@ class Generator(nn.Module):
         x = layers.conv(self.conv_pre, mel)
         for i, up in enumerate(self.ups):
             x = layers.conv_transpose(up, F.leaky_relu(x, LRELU_SLOPE))
-            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
+            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
             x = layers.average([b(x, layers) for b in blocks], self.lagging)
         # the reference uses leaky_relu's default slope (0.01) here, not LRELU_SLOPE
         x = layers.conv(self.conv_post, F.leaky_relu(x, 0.01))

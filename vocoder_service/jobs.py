@@ -49,8 +49,9 @@ class Job:
         return self.num_frames * self.hop_size
 
 
-def vocode_jobs(backend: Backend, jobs: list[Job], *, max_batch: int = 64,
-                max_pad_ratio: float = 1.25) -> list[np.ndarray]:
+def vocode_jobs(
+    backend: Backend, jobs: list[Job], *, max_batch: int = 64, max_pad_ratio: float = 1.25
+) -> list[np.ndarray]:
     """Run jobs of many streams; returns each job's audio: a windowed job's whole window, a
     stateful job's emitted samples.
 
@@ -68,12 +69,15 @@ def vocode_jobs(backend: Backend, jobs: list[Job], *, max_batch: int = 64,
             out[i], state = backend.run_stream(job.mel[None], job.stream.state, job.final)
             job.stream.state = None if job.final else state
     groups: list[tuple[int, list[int]]] = []  # (window length, job indices)
-    order = sorted((i for i in range(len(jobs)) if not jobs[i].stateful),
-                   key=lambda i: -jobs[i].window_frames)
+    order = sorted(
+        (i for i in range(len(jobs)) if not jobs[i].stateful), key=lambda i: -jobs[i].window_frames
+    )
     for i in order:
         w, job = jobs[i].window_frames, jobs[i]
         for length, members in groups:
-            fits = w == length or ((job.pad_left_ok or job.pad_right_ok) and w * max_pad_ratio >= length)
+            fits = w == length or (
+                (job.pad_left_ok or job.pad_right_ok) and w * max_pad_ratio >= length
+            )
             if fits and len(members) < max_batch:
                 members.append(i)
                 break
@@ -85,11 +89,16 @@ def vocode_jobs(backend: Backend, jobs: list[Job], *, max_batch: int = 64,
         for row, i in enumerate(members):
             mel, pad = jobs[i].mel, length - jobs[i].window_frames
             # edge values keep padded activations ordinary; they never reach kept samples
-            batch[row] = (mel if pad == 0 else np.pad(mel, ((0, 0), (0, pad) if jobs[i].pad_right_ok
-                                                               else (pad, 0)), mode="edge"))
+            batch[row] = (
+                mel
+                if pad == 0
+                else np.pad(
+                    mel, ((0, 0), (0, pad) if jobs[i].pad_right_ok else (pad, 0)), mode="edge"
+                )
+            )
         audio = backend.run(batch)
         for row, i in enumerate(members):
             pad = (length - jobs[i].window_frames) * hop
             left = 0 if pad == 0 or jobs[i].pad_right_ok else pad
-            out[i] = audio[row, left:left + jobs[i].window_frames * hop]
+            out[i] = audio[row, left : left + jobs[i].window_frames * hop]
     return out  # type: ignore[return-value]

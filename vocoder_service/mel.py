@@ -30,8 +30,9 @@ def mel_to_hz(mel: np.ndarray) -> np.ndarray:
     return np.where(mel >= brk, _BREAK_HZ * np.exp(_LOGSTEP * (mel - brk)), _F_SP * mel)
 
 
-def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, fmin: float = 0.0,
-                   fmax: float | None = None) -> np.ndarray:
+def mel_filterbank(
+    sample_rate: int, n_fft: int, n_mels: int, fmin: float = 0.0, fmax: float | None = None
+) -> np.ndarray:
     """Slaney-normalised triangular filters `[n_mels, n_fft // 2 + 1]` on the Slaney scale."""
     fmax = sample_rate / 2 if fmax is None else fmax
     fft_hz = np.linspace(0.0, sample_rate / 2, n_fft // 2 + 1)
@@ -40,7 +41,7 @@ def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, fmin: float = 0.0,
     rising = (fft_hz - lower) / (centre - lower)
     falling = (upper - fft_hz) / (upper - centre)
     weights = np.maximum(0.0, np.minimum(rising, falling))
-    weights *= (2.0 / (upper - lower))  # equal area per filter
+    weights *= 2.0 / (upper - lower)  # equal area per filter
     return weights.astype(np.float32)
 
 
@@ -50,8 +51,11 @@ class MelSpectrogram:
     def __init__(self, config: HifiGanConfig, device: str | torch.device = "cpu"):
         self.config = config
         self.device = torch.device(device)
-        self.basis = torch.from_numpy(mel_filterbank(
-            config.sampling_rate, config.n_fft, config.num_mels, config.fmin, config.fmax)).to(self.device)
+        self.basis = torch.from_numpy(
+            mel_filterbank(
+                config.sampling_rate, config.n_fft, config.num_mels, config.fmin, config.fmax
+            )
+        ).to(self.device)
         self.window = torch.hann_window(config.win_size, device=self.device)
 
     def __call__(self, audio: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -60,13 +64,22 @@ class MelSpectrogram:
         if x.ndim == 1:
             x = x[None]
         if x.ndim != 2:
-            raise ValueError(f"audio must be [samples] or [batch, samples] (got shape {tuple(x.shape)})")
+            raise ValueError(
+                f"audio must be [samples] or [batch, samples] (got shape {tuple(x.shape)})"
+            )
         pad = (c.n_fft - c.hop_size) // 2
         if x.shape[-1] <= pad:
             raise ValueError(f"audio of {x.shape[-1]} samples is too short: need more than {pad}")
         # reflect padding instead of stft's centring keeps frames = samples // hop
         x = F.pad(x[:, None], (pad, pad), mode="reflect")[:, 0]
-        spec = torch.stft(x, c.n_fft, hop_length=c.hop_size, win_length=c.win_size, window=self.window,
-                          center=False, return_complex=True)
+        spec = torch.stft(
+            x,
+            c.n_fft,
+            hop_length=c.hop_size,
+            win_length=c.win_size,
+            window=self.window,
+            center=False,
+            return_complex=True,
+        )
         mag = torch.sqrt(spec.real.square() + spec.imag.square() + 1e-9)
         return torch.log(torch.clamp(self.basis @ mag, min=1e-5))

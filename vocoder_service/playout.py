@@ -19,7 +19,9 @@ class Pace:
         """The pace once a job of `frames` already-arrived frames has been vocoded: the listener
         played on while it ran, then holds its audio too."""
         compute_s = (frames + self.overhead_frames) * self.seconds_per_frame
-        return replace(self, buffered_s=max(0.0, self.buffered_s - compute_s) + frames * self.frame_s)
+        return replace(
+            self, buffered_s=max(0.0, self.buffered_s - compute_s) + frames * self.frame_s
+        )
 
 
 class PlayoutClock:

@@ -73,10 +73,17 @@ def default_first_batch(backend: Backend) -> int:
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     """Vocode: config first, then token or mel chunks, then end of stream; audio as it is ready."""
 
-    def __init__(self, voices: list[VocoderVoice], backends: dict[str, Backend], *,
-                 policy: ChunkPolicy | None = None, limits: VocoderLimits | None = None,
-                 max_batch_frames: int | None = None, max_first_batch: int | None = None,
-                 streaming: str = "auto"):
+    def __init__(
+        self,
+        voices: list[VocoderVoice],
+        backends: dict[str, Backend],
+        *,
+        policy: ChunkPolicy | None = None,
+        limits: VocoderLimits | None = None,
+        max_batch_frames: int | None = None,
+        max_first_batch: int | None = None,
+        streaming: str = "auto",
+    ):
         if not voices:
             raise ValueError("at least one voice is required")
         self.voices = {v.name: v for v in voices}
@@ -105,16 +112,21 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 budget = self.max_batch_frames or default_batch_frames(backend)
                 firsts = self.max_first_batch or default_first_batch(backend)
                 # a stateful job runs alone: one per forward, so a first chunk waits for one job
-                batcher = Batcher(backend, max_batch=1 if self.stateful(backend) else 32,
-                                  max_batch_frames=budget, max_first_batch=firsts,
-                                  on_batch=metrics.observe_batch)
+                batcher = Batcher(
+                    backend,
+                    max_batch=1 if self.stateful(backend) else 32,
+                    max_batch_frames=budget,
+                    max_first_batch=firsts,
+                    on_batch=metrics.observe_batch,
+                )
                 batcher.start()
                 self._batchers[id(backend)] = batcher
 
     def stateful(self, backend: Backend) -> bool:
         """Whether streams on `backend` use the stateful generator."""
-        return self.streaming == "stateful" or (self.streaming == "auto"
-                                                and default_stateful(backend))
+        return self.streaming == "stateful" or (
+            self.streaming == "auto" and default_stateful(backend)
+        )
 
     def warmup(self) -> None:
         """A throw-away forward on each backend, in the mode its streams will use."""
@@ -125,36 +137,48 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         for batcher in self._batchers.values():
             await batcher.close()
 
-    async def GetInfo(self, request: pb.GetInfoRequest,
-                      context: _InfoContext) -> pb.VocoderInfo:
+    async def GetInfo(self, request: pb.GetInfoRequest, context: _InfoContext) -> pb.VocoderInfo:
         """Voices, backend and streams in flight."""
         backend = self.backends[self.default_voice]
         return pb.VocoderInfo(
-            voices=[pb.VocoderVoice(name=v.name, sample_rate_hz=v.config.sampling_rate,
-                                    hop_size=v.config.hop_size, num_mels=v.config.num_mels,
-                                    codebook_size=v.codebook_size,
-                                    frames_per_token=v.frames_per_token)
-                    for v in self.voices.values()],
-            backend=backend.name, device=backend.device, active_streams=self.active_streams,
+            voices=[
+                pb.VocoderVoice(
+                    name=v.name,
+                    sample_rate_hz=v.config.sampling_rate,
+                    hop_size=v.config.hop_size,
+                    num_mels=v.config.num_mels,
+                    codebook_size=v.codebook_size,
+                    frames_per_token=v.frames_per_token,
+                )
+                for v in self.voices.values()
+            ],
+            backend=backend.name,
+            device=backend.device,
+            active_streams=self.active_streams,
             max_streams=self.limits.max_streams,
             receptive_field_frames=max(backend.receptive_field),
-            max_chunk_frames=self.limits.max_chunk_frames)
+            max_chunk_frames=self.limits.max_chunk_frames,
+        )
 
-    async def Vocode(self, request_iterator: AsyncIterator[pb.VocodeRequest],
-                     context: _VocodeContext) -> AsyncIterator[pb.VocodeResponse]:
+    async def Vocode(
+        self, request_iterator: AsyncIterator[pb.VocodeRequest], context: _VocodeContext
+    ) -> AsyncIterator[pb.VocodeResponse]:
         """Stream audio for a stream of speech tokens or mel frames."""
         requests = request_iterator.__aiter__()
         try:
             first = await requests.__anext__()
         except StopAsyncIteration:
-            raise InvalidArgument("stream ended before its config: the first message must "
-                                  "be a VocodeConfig") from None
+            raise InvalidArgument(
+                "stream ended before its config: the first message must be a VocodeConfig"
+            ) from None
         voice, stream = self._open(first)
         tracing.annotate(**{"splittts.request_id": first.config.request_id})
         if self.active_streams >= self.limits.max_streams:
             metrics.STREAMS.labels("rejected").inc()
-            raise ResourceExhausted(f"{self.active_streams} streams already open (max_streams="
-                                    f"{self.limits.max_streams}); retry later")
+            raise ResourceExhausted(
+                f"{self.active_streams} streams already open (max_streams="
+                f"{self.limits.max_streams}); retry later"
+            )
         self.active_streams += 1
         metrics.ACTIVE_STREAMS.inc()
         batcher = self._batchers[id(self.backends[voice.name])]
@@ -178,22 +202,36 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 if chunk.sequence_number == 0:
                     metrics.FIRST_AUDIO.observe(now - chunk.ready_at)
                 metrics.CHUNK_COMPUTE.observe(result.compute_ms / 1e3)
-                tracing.record_span("compute", result.started, result.finished, **{
-                    "splittts.frames": job.num_frames, "splittts.batch_size": result.batch_size,
-                    "splittts.compute_ms": result.compute_ms, "splittts.queue_ms": result.queue_ms})
+                tracing.record_span(
+                    "compute",
+                    result.started,
+                    result.finished,
+                    **{
+                        "splittts.frames": job.num_frames,
+                        "splittts.batch_size": result.batch_size,
+                        "splittts.compute_ms": result.compute_ms,
+                        "splittts.queue_ms": result.queue_ms,
+                    },
+                )
                 summary.num_samples += chunk.num_samples
                 summary.num_frames += job.num_frames
                 summary.compute_ms += result.compute_ms
                 summary.num_chunks += 1
                 yield pb.VocodeResponse(
-                    audio=pb.AudioChunk(pcm=chunk.pcm16(),
-                                        sample_rate_hz=voice.config.sampling_rate,
-                                        first_sample=chunk.first_sample,
-                                        num_samples=chunk.num_samples,
-                                        sequence_number=chunk.sequence_number),
-                    timings=pb.ChunkTimings(compute_ms=result.compute_ms, queue_ms=result.queue_ms,
-                                            service_ms=1e3 * (now - chunk.ready_at),
-                                            trigger_message=trigger))
+                    audio=pb.AudioChunk(
+                        pcm=chunk.pcm16(),
+                        sample_rate_hz=voice.config.sampling_rate,
+                        first_sample=chunk.first_sample,
+                        num_samples=chunk.num_samples,
+                        sequence_number=chunk.sequence_number,
+                    ),
+                    timings=pb.ChunkTimings(
+                        compute_ms=result.compute_ms,
+                        queue_ms=result.queue_ms,
+                        service_ms=1e3 * (now - chunk.ready_at),
+                        trigger_message=trigger,
+                    ),
+                )
                 ahead.taken(job.num_samples)
                 metrics.AUDIO_AHEAD.dec(job.num_samples / voice.config.sampling_rate)
             audio_s = summary.num_samples / voice.config.sampling_rate
@@ -201,8 +239,13 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 metrics.RTF.observe((time.perf_counter() - started) / audio_s)
                 metrics.AUDIO_SECONDS.inc(audio_s)
             outcome = "ok"
-            tracing.annotate(**{"splittts.chunks": summary.num_chunks, "splittts.audio_s": audio_s,
-                                "splittts.compute_ms": summary.compute_ms})
+            tracing.annotate(
+                **{
+                    "splittts.chunks": summary.num_chunks,
+                    "splittts.audio_s": audio_s,
+                    "splittts.compute_ms": summary.compute_ms,
+                }
+            )
             yield pb.VocodeResponse(summary=summary)
         except InvalidArgument:
             outcome = "invalid"
@@ -217,42 +260,65 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             self.active_streams -= 1
             metrics.ACTIVE_STREAMS.dec()
             metrics.STREAMS.labels(outcome).inc()
-            log_event(log, "stream closed", stream=stream.stream_id, outcome=outcome,
-                      samples=summary.num_samples, chunks=summary.num_chunks,
-                      audio_ahead_peak_s=round(ahead.peak / voice.config.sampling_rate, 3),
-                      trace_id=tracing.trace_id(context))
+            log_event(
+                log,
+                "stream closed",
+                stream=stream.stream_id,
+                outcome=outcome,
+                samples=summary.num_samples,
+                chunks=summary.num_chunks,
+                audio_ahead_peak_s=round(ahead.peak / voice.config.sampling_rate, 3),
+                trace_id=tracing.trace_id(context),
+            )
 
     def _open(self, first: pb.VocodeRequest) -> tuple[VocoderVoice, VocoderStream]:
         if first.WhichOneof("payload") != "config":
-            raise InvalidArgument("the first message must be a VocodeConfig (got "
-                                  f"{first.WhichOneof('payload') or 'an empty message'})")
+            raise InvalidArgument(
+                "the first message must be a VocodeConfig (got "
+                f"{first.WhichOneof('payload') or 'an empty message'})"
+            )
         cfg = first.config
         name = cfg.voice or self.default_voice
         voice = self.voices.get(name)
         if voice is None:
             raise NotFound(f"config.voice: unknown voice {name!r}; known: {sorted(self.voices)}")
         if cfg.input_kind == pb.INPUT_KIND_UNSPECIFIED:
-            raise InvalidArgument("config.input_kind must be INPUT_KIND_SPEECH_TOKENS or "
-                                  "INPUT_KIND_MEL")
+            raise InvalidArgument(
+                "config.input_kind must be INPUT_KIND_SPEECH_TOKENS or INPUT_KIND_MEL"
+            )
         tokens = cfg.input_kind == pb.INPUT_KIND_SPEECH_TOKENS
         if tokens and voice.token_decoder is None:
-            raise InvalidArgument(f"config.input_kind: voice {name!r} has no speech-token "
-                                  "decoder; send INPUT_KIND_MEL")
-        stream = VocoderStream(voice.config, policy=self.policy,
-                               token_decoder=voice.token_decoder if tokens else None,
-                               stream_id=cfg.request_id or None,
-                               stateful=self.stateful(self.backends[name]))
+            raise InvalidArgument(
+                f"config.input_kind: voice {name!r} has no speech-token "
+                "decoder; send INPUT_KIND_MEL"
+            )
+        stream = VocoderStream(
+            voice.config,
+            policy=self.policy,
+            token_decoder=voice.token_decoder if tokens else None,
+            stream_id=cfg.request_id or None,
+            stateful=self.stateful(self.backends[name]),
+        )
         return voice, stream
 
-    async def _read(self, requests, stream: VocoderStream, batcher: Batcher,
-                    outbox: asyncio.Queue, ahead: AheadBudget) -> None:
+    async def _read(
+        self,
+        requests,
+        stream: VocoderStream,
+        batcher: Batcher,
+        outbox: asyncio.Queue,
+        ahead: AheadBudget,
+    ) -> None:
         """Feed input into the stream and submit ready jobs, in order, to the batcher, while
         the audio ahead of the reader is under its bound."""
 
         async def submit(index: int) -> None:
             # chunks sized against the stream's playout clock and the generator's measured speed
-            for job in stream.ready(shared=self.active_streams > 1, now=time.perf_counter(),
-                                    seconds_per_frame=batcher.seconds_per_frame):
+            for job in stream.ready(
+                shared=self.active_streams > 1,
+                now=time.perf_counter(),
+                seconds_per_frame=batcher.seconds_per_frame,
+            ):
                 await ahead.room()
                 ahead.add(job.num_samples)
                 metrics.AUDIO_AHEAD.inc(job.num_samples / stream.config.sampling_rate)
@@ -277,8 +343,10 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 else:
                     received += self._push(stream, req, kind)
                 if received > self.limits.max_stream_frames:
-                    raise InvalidArgument(f"stream exceeds {self.limits.max_stream_frames} "
-                                          "frames (about ten minutes of audio)")
+                    raise InvalidArgument(
+                        f"stream exceeds {self.limits.max_stream_frames} "
+                        "frames (about ten minutes of audio)"
+                    )
                 await submit(index)
             if received == 0:
                 raise InvalidArgument("empty stream: no tokens or mel frames before the end")
@@ -301,32 +369,40 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             if stream.token_decoder is None:
                 raise InvalidArgument("tokens: this stream was configured for INPUT_KIND_MEL")
             if ids.size > limit:
-                raise InvalidArgument(f"tokens.ids: {ids.size} ids in one message exceed the "
-                                      f"limit of {limit}")
+                raise InvalidArgument(
+                    f"tokens.ids: {ids.size} ids in one message exceed the limit of {limit}"
+                )
             size = stream.token_decoder.config.codebook_size
             bad = ids[ids >= size]
             if bad.size:
-                raise InvalidArgument(f"tokens.ids: id {int(bad[0])} is outside the codebook "
-                                      f"[0, {size})")
+                raise InvalidArgument(
+                    f"tokens.ids: id {int(bad[0])} is outside the codebook [0, {size})"
+                )
             stream.push_tokens(ids)
             return int(ids.size) * stream.token_decoder.config.frames_per_token
         if kind == "mel":
             if stream.token_decoder is not None:
-                raise InvalidArgument("mel: this stream was configured for INPUT_KIND_SPEECH_TOKENS")
+                raise InvalidArgument(
+                    "mel: this stream was configured for INPUT_KIND_SPEECH_TOKENS"
+                )
             n_mels = stream.config.num_mels
             if req.mel.num_mels != n_mels:
                 raise InvalidArgument(f"mel.num_mels must be {n_mels} (got {req.mel.num_mels})")
             values = np.asarray(req.mel.values, dtype=np.float32)
             if values.size % n_mels:
-                raise InvalidArgument(f"mel.values: {values.size} values is not a whole number "
-                                      f"of {n_mels}-wide frames")
+                raise InvalidArgument(
+                    f"mel.values: {values.size} values is not a whole number "
+                    f"of {n_mels}-wide frames"
+                )
             frames = values.size // n_mels
             if frames > limit:
-                raise InvalidArgument(f"mel.values: {frames} frames in one message exceed the "
-                                      f"limit of {limit}")
+                raise InvalidArgument(
+                    f"mel.values: {frames} frames in one message exceed the limit of {limit}"
+                )
             if not np.isfinite(values).all():
                 raise InvalidArgument("mel.values: must be finite (found NaN or infinity)")
             stream.push_mel(values.reshape(frames, n_mels).T)
             return frames
-        raise InvalidArgument("each message after the config must carry tokens, mel or "
-                              "end_of_stream")
+        raise InvalidArgument(
+            "each message after the config must carry tokens, mel or end_of_stream"
+        )

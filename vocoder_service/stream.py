@@ -59,12 +59,20 @@ class AudioChunk:
 class VocoderStream:
     """Accepts mel frames or speech tokens in any chunk sizes; yields exact audio jobs."""
 
-    def __init__(self, config: HifiGanConfig, *, policy: ChunkPolicy | None = None,
-                 token_decoder: TokenDecoder | None = None, stream_id: str | None = None,
-                 stateful: bool = False):
+    def __init__(
+        self,
+        config: HifiGanConfig,
+        *,
+        policy: ChunkPolicy | None = None,
+        token_decoder: TokenDecoder | None = None,
+        stream_id: str | None = None,
+        stateful: bool = False,
+    ):
         self.config = config
         self.stateful = stateful
-        self.state: list | None = None  # stateful: the generator's carried tails (None: a fresh start)
+        self.state: list | None = (
+            None  # stateful: the generator's carried tails (None: a fresh start)
+        )
         self.policy = policy or ChunkPolicy()
         self.input = StreamInput(config, token_decoder)
         self.stream_id = stream_id if stream_id is not None else f"stream-{next(_stream_ids)}"
@@ -115,12 +123,16 @@ class VocoderStream:
         """The playout clock at `now` for sizing the next job; None before the first audio."""
         if self.playout.started_at is None:
             return None
-        return Pace(buffered_s=self.playout.buffered(now), seconds_per_frame=seconds_per_frame,
-                    frame_s=self.config.hop_size / self.config.sampling_rate,
-                    overhead_frames=0 if self.stateful else self.context_left + self.context_right)
+        return Pace(
+            buffered_s=self.playout.buffered(now),
+            seconds_per_frame=seconds_per_frame,
+            frame_s=self.config.hop_size / self.config.sampling_rate,
+            overhead_frames=0 if self.stateful else self.context_left + self.context_right,
+        )
 
-    def ready(self, shared: bool = False, now: float | None = None,
-              seconds_per_frame: float = 0.0) -> list[Job]:
+    def ready(
+        self, shared: bool = False, now: float | None = None, seconds_per_frame: float = 0.0
+    ) -> list[Job]:
         """Jobs whose frames and right context have all arrived, in order; each is issued once.
 
         `shared`: other streams use the same generator now, so jobs keep to the shared cap.
@@ -141,8 +153,11 @@ class VocoderStream:
             want = self.policy.min_frames(self._next_job, shared, pace)
             if schedulable < want and not ended and forced <= 0:
                 break
-            take = (want if self._next_job == 0
-                    else max(want, min(schedulable, self.policy.limit(shared, pace))))
+            take = (
+                want
+                if self._next_job == 0
+                else max(want, min(schedulable, self.policy.limit(shared, pace)))
+            )
             jobs.append(self._make_job(self._scheduled, min(take, schedulable)))
             pace = pace and pace.after(jobs[-1].num_frames)  # a backlog's later jobs run later
         return jobs
@@ -153,16 +168,20 @@ class VocoderStream:
         if job.stream is not self:
             raise ValueError(f"job belongs to {job.stream.stream_id}, not {self.stream_id}")
         if job.index != self._next_complete:
-            raise ValueError(f"job {job.index} completed out of order (expected {self._next_complete})")
+            raise ValueError(
+                f"job {job.index} completed out of order (expected {self._next_complete})"
+            )
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
         if job.stateful:
             piece = audio  # exactly the samples the state let out
         else:
             if audio.shape[0] != job.window_frames * job.hop_size:
-                raise ValueError(f"audio for job {job.index} has {audio.shape[0]} samples, "
-                                 f"expected {job.window_frames * job.hop_size}")
+                raise ValueError(
+                    f"audio for job {job.index} has {audio.shape[0]} samples, "
+                    f"expected {job.window_frames * job.hop_size}"
+                )
             start = (job.first_frame - job.window_start) * job.hop_size
-            piece = audio[start:start + job.num_samples].copy()
+            piece = audio[start : start + job.num_samples].copy()
         self._next_complete += 1
         first_sample = self.playout.delivered
         self.playout.deliver(piece.shape[0], time.perf_counter() if now is None else now)
@@ -176,15 +195,22 @@ class VocoderStream:
     @property
     def done(self) -> bool:
         """Input ended and every frame's audio has been handed out."""
-        return (self.input.ended and self._next_complete == self._next_job
-                and self._scheduled == self.input.frames_total
-                and (self._final_issued or not self.stateful))
+        return (
+            self.input.ended
+            and self._next_complete == self._next_job
+            and self._scheduled == self.input.frames_total
+            and (self._final_issued or not self.stateful)
+        )
 
     # -- internals --------------------------------------------------------------------------
     def _may_be_ready(self, shared: bool, pace: Pace | None) -> bool:
         """Whether the next job could be due, judged from counts alone (no decoding)."""
-        if (self.token_decoder is None or self.input.ended
-                or self.input.boundary_frames > self._scheduled or self._tail_pending):
+        if (
+            self.token_decoder is None
+            or self.input.ended
+            or self.input.boundary_frames > self._scheduled
+            or self._tail_pending
+        ):
             return True
         waiting = self.input.decodable_frames() - self._scheduled - self._lag()
         return waiting >= self.policy.min_frames(self._next_job, shared, pace)
@@ -220,12 +246,22 @@ class VocoderStream:
 
     def _make_stateful_job(self, count: int, final: bool = False) -> Job:
         first, end = self._scheduled, self._scheduled + count
-        ready_at = (self.input.flushed_at if self.input.ended and final
-                    else self.input.ready_time(end))
-        job = Job(stream=self, index=self._next_job, mel=self.input.frames(first, end),
-                  window_start=first, first_frame=first, num_frames=count,
-                  hop_size=self.config.hop_size, pad_left_ok=False, pad_right_ok=False,
-                  ready_at=ready_at, final=final)
+        ready_at = (
+            self.input.flushed_at if self.input.ended and final else self.input.ready_time(end)
+        )
+        job = Job(
+            stream=self,
+            index=self._next_job,
+            mel=self.input.frames(first, end),
+            window_start=first,
+            first_frame=first,
+            num_frames=count,
+            hop_size=self.config.hop_size,
+            pad_left_ok=False,
+            pad_right_ok=False,
+            ready_at=ready_at,
+            final=final,
+        )
         self._next_job += 1
         self._scheduled = end
         self._fresh = final  # after a final job the next one starts from a fresh state
@@ -236,10 +272,18 @@ class VocoderStream:
         end = first + count
         ws = max(0, first - self.context_left)
         we = min(self.input.frames_received, end + self.context_right)
-        job = Job(stream=self, index=self._next_job, mel=self.input.frames(ws, we), window_start=ws,
-                  first_frame=first, num_frames=count, hop_size=self.config.hop_size,
-                  pad_left_ok=first - ws == self.context_left, pad_right_ok=we - end == self.context_right,
-                  ready_at=self.input.ready_time(end + self.context_right))
+        job = Job(
+            stream=self,
+            index=self._next_job,
+            mel=self.input.frames(ws, we),
+            window_start=ws,
+            first_frame=first,
+            num_frames=count,
+            hop_size=self.config.hop_size,
+            pad_left_ok=first - ws == self.context_left,
+            pad_right_ok=we - end == self.context_right,
+            ready_at=self.input.ready_time(end + self.context_right),
+        )
         self._next_job += 1
         self._scheduled = end
         self.input.release(max(0, end - self.context_left))  # earlier frames are never read again

@@ -18,8 +18,10 @@ class StreamInput:
 
     def __init__(self, config: HifiGanConfig, token_decoder: TokenDecoder | None = None):
         if token_decoder is not None and token_decoder.config.num_mels != config.num_mels:
-            raise ValueError(f"token decoder makes {token_decoder.config.num_mels} mels but the "
-                             f"generator takes {config.num_mels}")
+            raise ValueError(
+                f"token decoder makes {token_decoder.config.num_mels} mels but the "
+                f"generator takes {config.num_mels}"
+            )
         self.num_mels = config.num_mels
         self.token_decoder = token_decoder
         self._mel = np.zeros((config.num_mels, 0), np.float32)
@@ -47,7 +49,9 @@ class StreamInput:
         if self.token_decoder is not None:
             raise ValueError("this stream takes speech tokens, not mel frames")
         self._check_open()
-        mel = np.asarray(mel.detach().cpu() if isinstance(mel, torch.Tensor) else mel, dtype=np.float32)
+        mel = np.asarray(
+            mel.detach().cpu() if isinstance(mel, torch.Tensor) else mel, dtype=np.float32
+        )
         if mel.ndim != 2 or mel.shape[0] != self.num_mels:
             raise ValueError(f"mel chunk must be [{self.num_mels}, frames] (got {mel.shape})")
         if not np.isfinite(mel).all():
@@ -58,7 +62,9 @@ class StreamInput:
     def push_tokens(self, codes: np.ndarray | list[int]) -> None:
         """Append speech-token codebook indices (decoded to mel by `decode`)."""
         if self.token_decoder is None:
-            raise ValueError("this stream takes mel frames; load a voice with a token decoder for tokens")
+            raise ValueError(
+                "this stream takes mel frames; load a voice with a token decoder for tokens"
+            )
         self._check_open()
         codes = self.token_decoder.check_codes(np.asarray(codes).reshape(-1))
         self._tokens = np.concatenate([self._tokens, codes])
@@ -94,30 +100,33 @@ class StreamInput:
         dec = self.token_decoder
         if dec is None:
             return
-        end = self.tokens_received if self.ended else max(self.tokens_received - dec.lookahead,
-                                                          self._boundary_tokens)
+        end = (
+            self.tokens_received
+            if self.ended
+            else max(self.tokens_received - dec.lookahead, self._boundary_tokens)
+        )
         a = self._tok_decoded
         if end <= a:
             return
         ws = max(0, a - dec.left_context)
         we = min(self.tokens_received, end + dec.lookahead)
-        window = self._tokens[ws - self._tok_base:we - self._tok_base]
+        window = self._tokens[ws - self._tok_base : we - self._tok_base]
         with torch.inference_mode():
             mel = dec(torch.from_numpy(window)[None])[0].float().numpy()
         fpt = dec.config.frames_per_token
-        self._append_mel(mel[:, (a - ws) * fpt:(end - ws) * fpt])
+        self._append_mel(mel[:, (a - ws) * fpt : (end - ws) * fpt])
         self._tok_decoded = end
         keep_from = max(0, end - dec.left_context)  # tokens older than this are never read again
-        self._tokens = self._tokens[keep_from - self._tok_base:]
+        self._tokens = self._tokens[keep_from - self._tok_base :]
         self._tok_base = keep_from
 
     def frames(self, start: int, end: int) -> np.ndarray:
         """Mel frames [start, end) (absolute indices; none before the last `release`)."""
-        return self._mel[:, start - self._mel_base:end - self._mel_base]
+        return self._mel[:, start - self._mel_base : end - self._mel_base]
 
     def release(self, before: int) -> None:
         """Frames before `before` are never read again."""
-        self._mel = self._mel[:, before - self._mel_base:]
+        self._mel = self._mel[:, before - self._mel_base :]
         self._mel_base = before
 
     def ready_time(self, frames_needed: int) -> float:

@@ -75,7 +75,7 @@ class Streaming:
         y = conv_transpose(layer, xc, 0)
         start = history * stride  # outputs before this were emitted last call
         end = start + new * stride + (padding if self.final else 0)
-        return y[..., start + skip.shape[-1]:end]
+        return y[..., start + skip.shape[-1] : end]
 
     def residual(self, x: Tensor, t: Tensor) -> Tensor:
         """x + t where t lags x: the part of x that t has not reached yet waits in the state."""
@@ -107,8 +107,9 @@ class StreamingGenerator(nn.Module):
         self.generator = generator
         self.config = generator.config
 
-    def forward(self, mel: Tensor, state: list[Tensor] | None = None, final: bool = False
-                ) -> tuple[Tensor, list[Tensor]]:
+    def forward(
+        self, mel: Tensor, state: list[Tensor] | None = None, final: bool = False
+    ) -> tuple[Tensor, list[Tensor]]:
         layers = Streaming(state, final)
         audio = self.generator(mel, layers)
         return audio[:, 0, 0], layers.next_state
@@ -118,8 +119,9 @@ class StreamingGenerator(nn.Module):
         return initial_state(self.config, batch, dtype, device)
 
 
-def initial_state(config: HifiGanConfig, batch: int = 1, dtype=torch.float32,
-                  device="cpu") -> list[Tensor]:
+def initial_state(
+    config: HifiGanConfig, batch: int = 1, dtype=torch.float32, device="cpu"
+) -> list[Tensor]:
     """The state a fresh stream starts from, in the order the forward reads it (found by running
     the forward on shapes alone)."""
     with torch.device("meta"):

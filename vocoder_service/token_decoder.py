@@ -32,8 +32,10 @@ class ConvLayer:
 
     def __post_init__(self) -> None:
         if self.kernel_size < 1 or not 0 <= self.lookahead < self.kernel_size:
-            raise ValueError(f"conv layer needs kernel_size >= 1 and 0 <= lookahead < kernel_size "
-                             f"(got kernel_size={self.kernel_size}, lookahead={self.lookahead})")
+            raise ValueError(
+                f"conv layer needs kernel_size >= 1 and 0 <= lookahead < kernel_size "
+                f"(got kernel_size={self.kernel_size}, lookahead={self.lookahead})"
+            )
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,24 @@ class TokenDecoderConfig:
     def from_dict(cls, data: dict[str, Any]) -> TokenDecoderConfig:
         """Parse `token_decoder.json`; derived `lookahead`/`left_context`, if present, must match."""
         try:
-            config = cls(codebook_size=int(data["codebook_size"]), num_mels=int(data.get("num_mels", 80)),
-                         frames_per_token=int(data.get("frames_per_token", 1)),
-                         channels=int(data.get("channels", 256)),
-                         layers=tuple(ConvLayer(int(x["kernel_size"]), int(x.get("lookahead", 0)))
-                                      for x in data.get("layers", [])))
+            config = cls(
+                codebook_size=int(data["codebook_size"]),
+                num_mels=int(data.get("num_mels", 80)),
+                frames_per_token=int(data.get("frames_per_token", 1)),
+                channels=int(data.get("channels", 256)),
+                layers=tuple(
+                    ConvLayer(int(x["kernel_size"]), int(x.get("lookahead", 0)))
+                    for x in data.get("layers", [])
+                ),
+            )
         except KeyError as exc:
             raise ValueError(f"token decoder config lacks {exc}") from None
         for key in ("lookahead", "left_context"):
             if key in data and int(data[key]) != getattr(config, key):
-                raise ValueError(f"token decoder config says {key}={data[key]} but its layers give "
-                                 f"{getattr(config, key)}")
+                raise ValueError(
+                    f"token decoder config says {key}={data[key]} but its layers give "
+                    f"{getattr(config, key)}"
+                )
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,7 +105,9 @@ class TokenDecoder(nn.Module):
         self.codebook = nn.Parameter(torch.zeros(config.codebook_size, dim))
         self.convs = nn.ModuleList()
         for i, layer in enumerate(config.layers):
-            self.convs.append(nn.Conv1d(dim if i == 0 else config.channels, config.channels, layer.kernel_size))
+            self.convs.append(
+                nn.Conv1d(dim if i == 0 else config.channels, config.channels, layer.kernel_size)
+            )
         self.proj_out = nn.Conv1d(config.channels, dim, 1) if config.layers else None
 
     @property
@@ -113,8 +124,12 @@ class TokenDecoder(nn.Module):
             h = x
             for i, (conv, layer) in enumerate(zip(self.convs, self.config.layers)):
                 # zero padding at the sequence ends, split between past and future taps
-                y = conv(F.pad(h if i == 0 else F.gelu(h), (layer.kernel_size - 1 - layer.lookahead,
-                                                             layer.lookahead)))
+                y = conv(
+                    F.pad(
+                        h if i == 0 else F.gelu(h),
+                        (layer.kernel_size - 1 - layer.lookahead, layer.lookahead),
+                    )
+                )
                 h = y if i == 0 else h + y
             x = x + self.proj_out(F.gelu(h))
         b, _, t = x.shape
@@ -129,7 +144,9 @@ class TokenDecoder(nn.Module):
         codes = codes.astype(np.int64)
         if codes.size and (codes.min() < 0 or codes.max() >= self.config.codebook_size):
             bad = codes[(codes < 0) | (codes >= self.config.codebook_size)][0]
-            raise ValueError(f"speech token {bad} is outside the codebook [0, {self.config.codebook_size})")
+            raise ValueError(
+                f"speech token {bad} is outside the codebook [0, {self.config.codebook_size})"
+            )
         return codes
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
@@ -146,8 +163,10 @@ def save_token_decoder(decoder: TokenDecoder, folder: str | Path) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_NAME).write_text(json.dumps(decoder.config.to_dict(), indent=2) + "\n")
-    save_file({k: v.detach().contiguous().cpu() for k, v in decoder.state_dict().items()},
-              str(folder / WEIGHTS_NAME))
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in decoder.state_dict().items()},
+        str(folder / WEIGHTS_NAME),
+    )
 
 
 def load_token_decoder(folder: str | Path) -> TokenDecoder | None:
@@ -168,6 +187,8 @@ def load_token_decoder(folder: str | Path) -> TokenDecoder | None:
     except RuntimeError as exc:
         raise ValueError(f"{weights_path} does not fit {cfg_path}: {exc}") from None
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"{weights_path} does not fit {cfg_path}: missing {result.missing_keys}, "
-                         f"unexpected {result.unexpected_keys}")
+        raise ValueError(
+            f"{weights_path} does not fit {cfg_path}: missing {result.missing_keys}, "
+            f"unexpected {result.unexpected_keys}"
+        )
     return decoder.eval()

@@ -69,10 +69,14 @@ def load_voice(path: str | Path | None = None) -> VocoderVoice:
     config = generator.config
     for key, have in (("sample_rate", config.sampling_rate), ("hop_size", config.hop_size)):
         if key in manifest and int(manifest[key]) != have:
-            raise ValueError(f"{manifest_path} says {key}={manifest[key]} but the generator "
-                             f"({generator.path.name}) uses {have}")
+            raise ValueError(
+                f"{manifest_path} says {key}={manifest[key]} but the generator "
+                f"({generator.path.name}) uses {have}"
+            )
     decoder = load_token_decoder(vocoder_dir) if vocoder_dir.is_dir() else None
     if decoder is not None and decoder.config.num_mels != config.num_mels:
-        raise ValueError(f"token decoder in {vocoder_dir} makes {decoder.config.num_mels} mels but the "
-                         f"generator takes {config.num_mels}")
+        raise ValueError(
+            f"token decoder in {vocoder_dir} makes {decoder.config.num_mels} mels but the "
+            f"generator takes {config.num_mels}"
+        )
     return VocoderVoice(str(manifest.get("name", path.name)), generator, decoder, path)

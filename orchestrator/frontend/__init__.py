@@ -20,9 +20,24 @@ from orchestrator.frontend.normalize_en import normalize_en
 from orchestrator.frontend.normalize_zh import normalize_zh
 from orchestrator.frontend.segment import StreamingSegmenter, split_sentences, text_units
 
-__all__ = ["FrontEnd", "Segment", "StreamingSegmenter", "split_sentences", "detect_language",
-           "normalize", "normalize_en", "normalize_zh", "build_g2p", "EspeakG2P", "PassthroughG2P",
-           "G2P", "G2PError", "to_pinyin", "text_units", "primary_language"]
+__all__ = [
+    "FrontEnd",
+    "Segment",
+    "StreamingSegmenter",
+    "split_sentences",
+    "detect_language",
+    "normalize",
+    "normalize_en",
+    "normalize_zh",
+    "build_g2p",
+    "EspeakG2P",
+    "PassthroughG2P",
+    "G2P",
+    "G2PError",
+    "to_pinyin",
+    "text_units",
+    "primary_language",
+]
 
 _HAN_RE = re.compile(f"[{HAN}]")
 _ALIASES = {"zh": "cmn", "zho": "cmn", "chi": "cmn", "cmn": "cmn", "en": "en", "eng": "en"}
@@ -30,7 +45,7 @@ _WARMUP = {"en": "Warm up 1, 2.", "cmn": "你好，1。"}
 
 
 def detect_language(text: str) -> str:
-    """"cmn" when the text holds a Han character, else "en"."""
+    """ "cmn" when the text holds a Han character, else "en"."""
     return "cmn" if _HAN_RE.search(text) else "en"
 
 
@@ -53,10 +68,11 @@ def normalize(text: str, language: str, *, phone_yao: bool = False) -> str:
 @dataclass(frozen=True)
 class Segment:
     """One piece of text ready for the speech model, in the order it is spoken."""
-    text: str           # the original text of the piece
-    normalized: str     # numbers, dates, symbols... in words
-    model_input: str    # what the prompt template's {text} receives: phonemes or characters
-    language: str       # the language it was processed as (a text_frontend key where one matches)
+
+    text: str  # the original text of the piece
+    normalized: str  # numbers, dates, symbols... in words
+    model_input: str  # what the prompt template's {text} receives: phonemes or characters
+    language: str  # the language it was processed as (a text_frontend key where one matches)
 
 
 @dataclass(frozen=True)
@@ -69,8 +85,9 @@ class _Language:
 class FrontEnd:
     """A voice's text front end, built from its manifest's `text_frontend` entry."""
 
-    def __init__(self, config: Mapping[str, Mapping[str, Any]] | None = None, *,
-                 max_chars: int = 250):
+    def __init__(
+        self, config: Mapping[str, Mapping[str, Any]] | None = None, *, max_chars: int = 250
+    ):
         self.max_chars = max_chars
         self._languages: dict[str, _Language] = {}
         self._unconfigured: dict[str, _Language] = {}
@@ -104,8 +121,11 @@ class FrontEnd:
     def warmup(self) -> list[Segment]:
         """Run every language once, so voices, pypinyin and cn2an load now, not on a request;
         returns the segments it made (to warm what comes after the front end)."""
-        return [segment for key in self._languages
-                for segment in self.process(_WARMUP.get(primary_language(key), "Warm up."), key)]
+        return [
+            segment
+            for key in self._languages
+            for segment in self.process(_WARMUP.get(primary_language(key), "Warm up."), key)
+        ]
 
     def close(self) -> None:
         """Release the G2Ps."""
@@ -121,11 +141,14 @@ class FrontEnd:
     def _build(self, key: str, entry: Mapping[str, Any]) -> _Language:
         phone_yao = bool(entry.get("phone_yao", False))
         if entry.get("normalize", True):
+
             def norm(text: str) -> str:
                 return normalize(text, key, phone_yao=phone_yao)
         else:
+
             def norm(text: str) -> str:
                 return re.sub(r"\s+", " ", text).strip()
+
         return _Language(key, norm, build_g2p(entry, key))
 
     def _resolve(self, language: str) -> _Language:

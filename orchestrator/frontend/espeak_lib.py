@@ -21,8 +21,8 @@ import threading
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
 _POS_CHARACTER = 1
 _CHARS_UTF8 = 1
-_PHONEMES = 0x100      # [[...]] in the text is phoneme input, as the CLI allows
-_END_PAUSE = 0x1000    # a pause at the end of the text, as the CLI asks for
+_PHONEMES = 0x100  # [[...]] in the text is phoneme input, as the CLI allows
+_END_PAUSE = 0x1000  # a pause at the end of the text, as the CLI asks for
 _PHONEMES_SHOW = 0x01  # -x: ASCII phoneme mnemonics
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
@@ -54,22 +54,34 @@ class EspeakLibrary:
             lib = ctypes.CDLL(name)
             libc = ctypes.CDLL(None)
         except OSError:
-            raise EspeakLibraryError("libespeak-ng not found: install it "
-                                     "(apt-get install espeak-ng)") from None
+            raise EspeakLibraryError(
+                "libespeak-ng not found: install it (apt-get install espeak-ng)"
+            ) from None
         lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
         lib.espeak_SetPhonemeTrace.argtypes = [ctypes.c_int, ctypes.c_void_p]
         lib.espeak_SetPhonemeTrace.restype = None
-        lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
-                                     ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+        lib.espeak_Synth.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_uint,
+            ctypes.c_int,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         libc.open_memstream.restype = ctypes.c_void_p
-        libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_void_p),
-                                        ctypes.POINTER(ctypes.c_size_t)]
+        libc.open_memstream.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
         libc.fclose.argtypes = [ctypes.c_void_p]
         libc.free.argtypes = [ctypes.c_void_p]
         if lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, None, 0) <= 0:
-            raise EspeakLibraryError("libespeak-ng failed to initialise (is espeak-ng-data "
-                                     "installed?)")
+            raise EspeakLibraryError(
+                "libespeak-ng failed to initialise (is espeak-ng-data installed?)"
+            )
         self._callback = _CALLBACK(lambda wav, n, events: 0)  # audio is made and dropped, as -q
         lib.espeak_SetSynthCallback(self._callback)
         self._lib, self._libc = lib, libc
@@ -85,8 +97,16 @@ class EspeakLibrary:
                 raise EspeakLibraryError("could not open a memory stream for espeak-ng's trace")
             try:
                 self._lib.espeak_SetPhonemeTrace(_PHONEMES_SHOW, stream)
-                status = self._lib.espeak_Synth(data, len(data) + 1, 0, _POS_CHARACTER, 0,
-                                                _CHARS_UTF8 | _PHONEMES | _END_PAUSE, None, None)
+                status = self._lib.espeak_Synth(
+                    data,
+                    len(data) + 1,
+                    0,
+                    _POS_CHARACTER,
+                    0,
+                    _CHARS_UTF8 | _PHONEMES | _END_PAUSE,
+                    None,
+                    None,
+                )
                 self._lib.espeak_Synchronize()
             finally:
                 self._lib.espeak_SetPhonemeTrace(0, None)
@@ -106,6 +126,7 @@ class EspeakLibrary:
         if voice != self._voice:
             if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
                 self._voice = ""
-                raise EspeakLibraryError(f"espeak-ng voice {voice!r} does not exist "
-                                         "(espeak-ng --voices lists them)")
+                raise EspeakLibraryError(
+                    f"espeak-ng voice {voice!r} does not exist (espeak-ng --voices lists them)"
+                )
             self._voice = voice

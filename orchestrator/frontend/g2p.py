@@ -12,9 +12,29 @@ from orchestrator.frontend.normalize_zh import digits_zh
 
 HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _HAN_RUN = re.compile(f"[{HAN}]+")
-_ASCII_PUNCT = {"，": ",", "、": ",", "。": ".", "！": "!", "？": "?", "；": ";", "：": ":",
-                "（": "(", "）": ")", "“": '"', "”": '"', "‘": "'", "’": "'", "《": '"', "》": '"',
-                "「": '"', "」": '"', "『": '"', "』": '"', "…": "...", "—": ","}
+_ASCII_PUNCT = {
+    "，": ",",
+    "、": ",",
+    "。": ".",
+    "！": "!",
+    "？": "?",
+    "；": ";",
+    "：": ":",
+    "（": "(",
+    "）": ")",
+    "“": '"',
+    "”": '"',
+    "‘": "'",
+    "’": "'",
+    "《": '"',
+    "》": '"',
+    "「": '"',
+    "」": '"',
+    "『": '"',
+    "』": '"',
+    "…": "...",
+    "—": ",",
+}
 _CLAUSE = re.compile(r"([^,;:.!?，。！？；：、]*)([,;:.!?，。！？；：、]*)")
 # the voices were made from espeak-ng's CLI, which splits a line at most every 1000 bytes:
 # feed it pieces below that, as the CLI was fed
@@ -56,10 +76,16 @@ def to_pinyin(text: str) -> str:
     text = re.sub(r"\d+", lambda m: digits_zh(m[0]), text)  # a stray digit would read as a tone
     parts, pos = [], 0
     for run in _HAN_RUN.finditer(text):
-        parts.append(text[pos:run.start()])
-        parts.append(" " + " ".join(lazy_pinyin(run[0], style=Style.TONE3,
-                                                neutral_tone_with_five=True,
-                                                tone_sandhi=True)) + " ")
+        parts.append(text[pos : run.start()])
+        parts.append(
+            " "
+            + " ".join(
+                lazy_pinyin(
+                    run[0], style=Style.TONE3, neutral_tone_with_five=True, tone_sandhi=True
+                )
+            )
+            + " "
+        )
         pos = run.end()
     parts.append(text[pos:])
     out = "".join(_ASCII_PUNCT.get(c, c) for c in "".join(parts))
@@ -70,8 +96,15 @@ def to_pinyin(text: str) -> str:
 class EspeakG2P:
     """ASCII phonemes (`espeak-ng -x`) of a text; Mandarin goes through tone-numbered pinyin."""
 
-    def __init__(self, voice: str, *, pinyin: bool | None = None, keep_punctuation: bool = False,
-                 cache_size: int = 4096, phonemize: LinePhonemizer | None = None):
+    def __init__(
+        self,
+        voice: str,
+        *,
+        pinyin: bool | None = None,
+        keep_punctuation: bool = False,
+        cache_size: int = 4096,
+        phonemize: LinePhonemizer | None = None,
+    ):
         self.voice = voice
         self.pinyin = "pinyin" in voice if pinyin is None else pinyin
         self.keep_punctuation = keep_punctuation
@@ -137,13 +170,18 @@ def build_g2p(entry: Mapping[str, Any], language: str = "") -> G2P:
     if kind in ("none", "characters", ""):
         return PassthroughG2P()
     if kind not in ("espeak-ng", "espeak"):
-        raise ValueError(f"text_frontend: unknown g2p {kind!r} for {language or 'a language'} "
-                         "(expected 'espeak-ng' or 'none')")
+        raise ValueError(
+            f"text_frontend: unknown g2p {kind!r} for {language or 'a language'} "
+            "(expected 'espeak-ng' or 'none')"
+        )
     voice = entry.get("espeak_voice") or _default_espeak_voice(language)
     if not voice:
         raise ValueError(f"text_frontend: espeak_voice is required for {language or 'a language'}")
-    return EspeakG2P(str(voice), pinyin=entry.get("pinyin"),
-                     keep_punctuation=bool(entry.get("keep_punctuation", False)))
+    return EspeakG2P(
+        str(voice),
+        pinyin=entry.get("pinyin"),
+        keep_punctuation=bool(entry.get("keep_punctuation", False)),
+    )
 
 
 def _default_espeak_voice(language: str) -> str:

@@ -14,12 +14,60 @@ _CJK_CLAUSE = "，、；："
 _CLAUSE = ",;:—"
 _WIDE = re.compile(r"[\u2e80-\u9fff\uf900-\ufaff\uff00-\uffef\u3000-\u303f]")
 # titles and the like that a full stop never ends
-_NEVER_FINAL = {"mr", "mrs", "ms", "dr", "prof", "st", "mt", "gen", "sen", "rep", "gov", "capt",
-                "lt", "sgt", "rev", "vs", "e.g", "i.e", "cf", "fig", "ca", "jan", "feb",
-                "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec"}
+_NEVER_FINAL = {
+    "mr",
+    "mrs",
+    "ms",
+    "dr",
+    "prof",
+    "st",
+    "mt",
+    "gen",
+    "sen",
+    "rep",
+    "gov",
+    "capt",
+    "lt",
+    "sgt",
+    "rev",
+    "vs",
+    "e.g",
+    "i.e",
+    "cf",
+    "fig",
+    "ca",
+    "jan",
+    "feb",
+    "mar",
+    "apr",
+    "jun",
+    "jul",
+    "aug",
+    "sep",
+    "sept",
+    "oct",
+    "nov",
+    "dec",
+}
 # abbreviations that may also end a sentence: the word after them decides
-_MAYBE_FINAL = {"etc", "jr", "sr", "inc", "ltd", "co", "corp", "no", "al", "vol", "ed", "pp",
-                "approx", "dept", "est", "misc"}
+_MAYBE_FINAL = {
+    "etc",
+    "jr",
+    "sr",
+    "inc",
+    "ltd",
+    "co",
+    "corp",
+    "no",
+    "al",
+    "vol",
+    "ed",
+    "pp",
+    "approx",
+    "dept",
+    "est",
+    "misc",
+}
 _WORD_BEFORE = re.compile(r"([A-Za-z][A-Za-z.]*)$")
 
 
@@ -123,8 +171,9 @@ def _uses_english_rules(language: str | None) -> bool:
 class StreamingSegmenter:
     """Cuts text arriving in pieces into speakable segments as soon as each is complete."""
 
-    def __init__(self, language: str | None = None, *, min_clause_chars: int = 40,
-                 max_chars: int = 250):
+    def __init__(
+        self, language: str | None = None, *, min_clause_chars: int = 40, max_chars: int = 250
+    ):
         if min_clause_chars < 1 or max_chars < min_clause_chars:
             raise ValueError("need 1 <= min_clause_chars <= max_chars")
         self.language = language

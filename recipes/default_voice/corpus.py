@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
-_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen " \
-        "sixteen seventeen eighteen nineteen".split()
+_ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen".split()
+)
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 
 
@@ -19,31 +21,81 @@ def number_words(n: int) -> str:
     return _ONES[n // 100] + " hundred" + ("" if rest == 0 else " " + number_words(rest))
 
 
-_NAMES = "Anna Peter Mary John Laura David Susan Tom Emma James Lucy Mark Alice Robert Helen Paul Kate " \
-         "Henry Sarah George Linda Frank Grace Daniel Rose Michael Nancy Steven Julia".split()
-_NOUNS = ("book car house garden river city window letter table phone dog cat horse bird tree road "
-          "bridge train ship island mountain kitchen school market office doctor teacher student "
-          "friend family child picture song story question answer problem idea plan meeting "
-          "morning evening weekend winter summer machine computer engine paper bottle basket "
-          "coffee bread apple orange dinner lunch breakfast ticket station airport hotel museum "
-          "village forest beach ocean lake castle tower street corner door key chair bed lamp "
-          "clock camera radio engine wheel box bag coat shirt hat shoe glass cup plate knife").split()
-_ADJS = ("big small old new red green blue quiet loud bright dark cold warm happy tired busy "
-         "strange simple heavy light early late long short young clean empty full fresh "
-         "famous careful honest gentle quick slow beautiful difficult easy important").split()
-_VERBS_PAST = ("found opened closed painted cleaned bought sold carried watched visited fixed "
-               "borrowed moved washed read wrote built needed wanted liked forgot remembered "
-               "dropped pushed pulled checked packed ordered followed noticed described").split()
-_VERBS_BASE = ("find open close paint clean buy sell carry watch visit fix borrow move wash read "
-               "write build need want like forget remember check pack order follow describe").split()
-_PLACES = ("at home", "in the park", "near the station", "by the river", "in the kitchen",
-           "at the market", "on the bridge", "behind the school", "under the tree", "in the city",
-           "at the office", "on the island", "in the village", "at the airport", "in the garden")
-_TIMES = ("yesterday", "today", "last night", "this morning", "on Monday", "on Friday", "at noon",
-          "in the evening", "every day", "last week", "tomorrow", "next summer", "after lunch",
-          "before dinner", "in the winter")
-_ADVS = ("quickly", "slowly", "carefully", "quietly", "suddenly", "finally", "almost", "really",
-         "never", "always", "often", "sometimes")
+_NAMES = (
+    "Anna Peter Mary John Laura David Susan Tom Emma James Lucy Mark Alice Robert Helen Paul Kate "
+    "Henry Sarah George Linda Frank Grace Daniel Rose Michael Nancy Steven Julia".split()
+)
+_NOUNS = (
+    "book car house garden river city window letter table phone dog cat horse bird tree road "
+    "bridge train ship island mountain kitchen school market office doctor teacher student "
+    "friend family child picture song story question answer problem idea plan meeting "
+    "morning evening weekend winter summer machine computer engine paper bottle basket "
+    "coffee bread apple orange dinner lunch breakfast ticket station airport hotel museum "
+    "village forest beach ocean lake castle tower street corner door key chair bed lamp "
+    "clock camera radio engine wheel box bag coat shirt hat shoe glass cup plate knife"
+).split()
+_ADJS = (
+    "big small old new red green blue quiet loud bright dark cold warm happy tired busy "
+    "strange simple heavy light early late long short young clean empty full fresh "
+    "famous careful honest gentle quick slow beautiful difficult easy important"
+).split()
+_VERBS_PAST = (
+    "found opened closed painted cleaned bought sold carried watched visited fixed "
+    "borrowed moved washed read wrote built needed wanted liked forgot remembered "
+    "dropped pushed pulled checked packed ordered followed noticed described"
+).split()
+_VERBS_BASE = (
+    "find open close paint clean buy sell carry watch visit fix borrow move wash read "
+    "write build need want like forget remember check pack order follow describe"
+).split()
+_PLACES = (
+    "at home",
+    "in the park",
+    "near the station",
+    "by the river",
+    "in the kitchen",
+    "at the market",
+    "on the bridge",
+    "behind the school",
+    "under the tree",
+    "in the city",
+    "at the office",
+    "on the island",
+    "in the village",
+    "at the airport",
+    "in the garden",
+)
+_TIMES = (
+    "yesterday",
+    "today",
+    "last night",
+    "this morning",
+    "on Monday",
+    "on Friday",
+    "at noon",
+    "in the evening",
+    "every day",
+    "last week",
+    "tomorrow",
+    "next summer",
+    "after lunch",
+    "before dinner",
+    "in the winter",
+)
+_ADVS = (
+    "quickly",
+    "slowly",
+    "carefully",
+    "quietly",
+    "suddenly",
+    "finally",
+    "almost",
+    "really",
+    "never",
+    "always",
+    "often",
+    "sometimes",
+)
 _WH = ("where", "when", "why", "how")
 
 
@@ -57,7 +109,12 @@ def english_sentence(rng: random.Random) -> tuple[str, str]:
     n1, n2 = rng.sample(_NOUNS, 2)
     adj, adj2 = rng.sample(_ADJS, 2)
     vp, vb = rng.choice(_VERBS_PAST), rng.choice(_VERBS_BASE)
-    place, time, adv, wh = rng.choice(_PLACES), rng.choice(_TIMES), rng.choice(_ADVS), rng.choice(_WH)
+    place, time, adv, wh = (
+        rng.choice(_PLACES),
+        rng.choice(_TIMES),
+        rng.choice(_ADVS),
+        rng.choice(_WH),
+    )
     num = rng.choice([rng.randint(2, 20), rng.randint(21, 99), rng.randint(100, 999)])
     k = rng.randrange(16)
     if k == 0:
@@ -110,7 +167,9 @@ def english_corpus(count: int, seed: int) -> list[tuple[str, str]]:
 _ZH_SUBJ = "我 你 他 她 我们 他们 老师 学生 妈妈 爸爸 朋友 医生 小王 小李 哥哥 姐姐 孩子们".split()
 _ZH_OBJ = "书 苹果 咖啡 衣服 电脑 自行车 房子 花 茶 面包 报纸 电影 音乐 汽车 手机 雨伞 水果 礼物 照片 鸡蛋".split()
 _ZH_VERB = "买 看 喜欢 需要 找到 带来 送给 准备 拿走 打开 洗 做".split()
-_ZH_PLACE = "在家里 在公园 在学校 在商店 在北京 在上海 在火车站 在图书馆 在医院 在饭店 在办公室".split()
+_ZH_PLACE = (
+    "在家里 在公园 在学校 在商店 在北京 在上海 在火车站 在图书馆 在医院 在饭店 在办公室".split()
+)
 _ZH_TIME = "今天 明天 昨天 早上 晚上 星期一 星期五 周末 下午 去年 现在".split()
 _ZH_ADJ = "很好 很大 很小 很贵 很便宜 很漂亮 很忙 很冷 很热 很快 很慢 很高兴 很有意思".split()
 _ZH_DIGITS = "零一二三四五六七八九"
@@ -135,11 +194,22 @@ def chinese_sentence(rng: random.Random) -> str:
     """One templated Mandarin sentence in characters."""
     s, s2 = rng.sample(_ZH_SUBJ, 2)
     o, v, p, t, a = (rng.choice(x) for x in (_ZH_OBJ, _ZH_VERB, _ZH_PLACE, _ZH_TIME, _ZH_ADJ))
-    num = chinese_number(rng.choice([rng.randint(2, 10), rng.randint(11, 99), rng.randint(100, 999)]))
+    num = chinese_number(
+        rng.choice([rng.randint(2, 10), rng.randint(11, 99), rng.randint(100, 999)])
+    )
     k = rng.randrange(10)
-    return [f"{t}{s}{p}{v}{o}。", f"{s}{v}{o}吗？", f"这个{o}{a}。", f"{s}有{num}个{o}。",
-            f"{s}和{s2}{t}{p}。", f"{s}为什么不{v}{o}？", f"{t}的天气{a}。",
-            f"{s}说{o}{a}，可是{s2}不{v}。", f"请你{v}这个{o}。", f"{s}花了{num}块钱{v}{o}。"][k]
+    return [
+        f"{t}{s}{p}{v}{o}。",
+        f"{s}{v}{o}吗？",
+        f"这个{o}{a}。",
+        f"{s}有{num}个{o}。",
+        f"{s}和{s2}{t}{p}。",
+        f"{s}为什么不{v}{o}？",
+        f"{t}的天气{a}。",
+        f"{s}说{o}{a}，可是{s2}不{v}。",
+        f"请你{v}这个{o}。",
+        f"{s}花了{num}块钱{v}{o}。",
+    ][k]
 
 
 def chinese_corpus(count: int, seed: int) -> list[str]:
@@ -165,7 +235,9 @@ def to_pinyin(text: str) -> str:
             if out:
                 out[-1] += punct[piece]
         else:
-            out.extend(lazy_pinyin(piece, style=Style.TONE3, neutral_tone_with_five=True, errors="ignore"))
+            out.extend(
+                lazy_pinyin(piece, style=Style.TONE3, neutral_tone_with_five=True, errors="ignore")
+            )
     return " ".join(out)
 
 

@@ -29,7 +29,9 @@ _worker: dict = {}
 
 def espeak_phonemes(text: str, voice: str) -> str:
     """The text front end: `espeak-ng -q -x -v voice text`, clauses on separate lines."""
-    out = subprocess.run(["espeak-ng", "-q", "-x", "-v", voice, text], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["espeak-ng", "-q", "-x", "-v", voice, text], capture_output=True, text=True, check=True
+    )
     return "\n".join(line.strip() for line in out.stdout.splitlines() if line.strip())
 
 
@@ -65,9 +67,11 @@ def make_utterance(item: tuple[str, str, int]) -> Utterance | None:
         num_tokens = (end - start) // (hop * frames_per_token)
         if num_tokens < 4 or not units:
             return None
-        audio = audio[start:start + num_tokens * hop * frames_per_token]
-        mel = _mel(audio)[:, :num_tokens * frames_per_token]
-        durations = durations_for(phones, units, start, num_tokens, lang == "en", hop * frames_per_token)
+        audio = audio[start : start + num_tokens * hop * frames_per_token]
+        mel = _mel(audio)[:, : num_tokens * frames_per_token]
+        durations = durations_for(
+            phones, units, start, num_tokens, lang == "en", hop * frames_per_token
+        )
         return Utterance(text, units, durations.astype(np.int16), mel.astype(np.float16))
     except (subprocess.CalledProcessError, ValueError, IndexError) as exc:
         print(f"skip {text!r}: {exc}")
@@ -83,14 +87,18 @@ def sentences(cfg: RecipeConfig) -> dict[str, list[str]]:
     en_nat = natural.english_training(cfg.en_train_natural, seed=cfg.seed)
     zh_nat = natural.chinese_training(cfg.zh_train_natural, seed=cfg.seed)
     rng = random.Random(cfg.seed)
-    en_train = [t for t, _ in en[cfg.en_eval:]] + en_nat[:-100]
-    zh_train = zh[cfg.zh_eval:] + zh_nat[:-40]
+    en_train = [t for t, _ in en[cfg.en_eval :]] + en_nat[:-100]
+    zh_train = zh[cfg.zh_eval :] + zh_nat[:-40]
     rng.shuffle(en_train)
     rng.shuffle(zh_train)
-    return {"en_train": en_train + en_nat[-100:], "zh_train": [to_pinyin(s) for s in zh_train + zh_nat[-40:]],
-            "en_natural": natural.english_held_out(cfg.en_eval, seed=cfg.seed),
-            "zh_natural": [to_pinyin(s) for s in natural.chinese_held_out(cfg.zh_eval, seed=cfg.seed)],
-            "en_eval": [t for t, _ in en[:cfg.en_eval]], "zh_eval": [to_pinyin(s) for s in zh[:cfg.zh_eval]]}
+    return {
+        "en_train": en_train + en_nat[-100:],
+        "zh_train": [to_pinyin(s) for s in zh_train + zh_nat[-40:]],
+        "en_natural": natural.english_held_out(cfg.en_eval, seed=cfg.seed),
+        "zh_natural": [to_pinyin(s) for s in natural.chinese_held_out(cfg.zh_eval, seed=cfg.seed)],
+        "en_eval": [t for t, _ in en[: cfg.en_eval]],
+        "zh_eval": [to_pinyin(s) for s in zh[: cfg.zh_eval]],
+    }
 
 
 def spoken_english(cfg: RecipeConfig) -> dict[str, str]:
@@ -114,7 +122,7 @@ def build_teacher_data(cfg: RecipeConfig, shard_size: int = 500) -> None:
                 path = out / f"{split}_{k // shard_size:03d}.pkl"
                 if path.exists():
                     continue
-                items = [(t, lang, cfg.frames_per_token) for t in texts[k:k + shard_size]]
+                items = [(t, lang, cfg.frames_per_token) for t in texts[k : k + shard_size]]
                 utts = [u for u in pool.map(make_utterance, items, chunksize=8) if u is not None]
                 tmp = path.with_suffix(".tmp")
                 tmp.write_bytes(pickle.dumps(utts))

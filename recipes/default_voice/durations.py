@@ -25,12 +25,19 @@ CHANNELS, KERNEL, LAYERS = 128, 5, 3
 class DurationNet(nn.Module):
     """Embedding, three same-padded conv layers with ReLU, a linear head: log(1 + tokens)."""
 
-    def __init__(self, vocab: int = SPEECH_START, channels: int = CHANNELS, kernel: int = KERNEL,
-                 layers: int = LAYERS, dropout: float = 0.1):
+    def __init__(
+        self,
+        vocab: int = SPEECH_START,
+        channels: int = CHANNELS,
+        kernel: int = KERNEL,
+        layers: int = LAYERS,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         self.embedding = nn.Parameter(torch.randn(vocab, channels) * 0.3)
-        self.convs = nn.ModuleList(nn.Conv1d(channels, channels, kernel, padding=kernel // 2)
-                                   for _ in range(layers))
+        self.convs = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel, padding=kernel // 2) for _ in range(layers)
+        )
         self.proj = nn.Linear(channels, 1)
         self.dropout = nn.Dropout(dropout)
 
@@ -55,9 +62,9 @@ def _batch(pairs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     target = torch.zeros(len(pairs), t)
     mask = torch.zeros(len(pairs), t)
     for r, (i, d) in enumerate(pairs):
-        ids[r, :len(i)] = torch.tensor(i)
-        target[r, :len(i)] = torch.from_numpy(np.log1p(d))
-        mask[r, :len(i)] = 1
+        ids[r, : len(i)] = torch.tensor(i)
+        target[r, : len(i)] = torch.from_numpy(np.log1p(d))
+        mask[r, : len(i)] = 1
     return ids, target, mask
 
 
@@ -67,16 +74,20 @@ def evaluate_durations(net: DurationNet, pairs) -> dict[str, float]:
     errs, ratios = [], []
     with torch.no_grad():
         for k in range(0, len(pairs), 64):
-            chunk = pairs[k:k + 64]
+            chunk = pairs[k : k + 64]
             ids, _, mask = _batch(chunk)
             pred = torch.expm1(net(ids)).clamp(min=0) * mask
             for r, (_, d) in enumerate(chunk):
-                p = pred[r, :len(d)].numpy()
+                p = pred[r, : len(d)].numpy()
                 errs.append(np.abs(p - d).mean())
                 ratios.append(p.sum() / max(1.0, d.sum()))
     net.train()
-    return {"mae_tokens": float(np.mean(errs)), "total_ratio_median": float(np.median(ratios)),
-            "total_ratio_p5": float(np.percentile(ratios, 5)), "total_ratio_p95": float(np.percentile(ratios, 95))}
+    return {
+        "mae_tokens": float(np.mean(errs)),
+        "total_ratio_median": float(np.median(ratios)),
+        "total_ratio_p5": float(np.percentile(ratios, 5)),
+        "total_ratio_p95": float(np.percentile(ratios, 95)),
+    }
 
 
 def train_durations(cfg: RecipeConfig, steps: int = 1000) -> None:
@@ -103,8 +114,11 @@ def train_durations(cfg: RecipeConfig, steps: int = 1000) -> None:
         opt.step()
         if step % 250 == 0 or step == steps:
             score = evaluate_durations(net, held)
-            print(f"durations step {step}: train {loss.item():.4f} held-out {json.dumps(score)} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"durations step {step}: train {loss.item():.4f} held-out {json.dumps(score)} "
+                f"({time.time() - t0:.0f} s)",
+                flush=True,
+            )
             if score["mae_tokens"] < best:
                 best, report = score["mae_tokens"], {"step": step, **score}
                 state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}

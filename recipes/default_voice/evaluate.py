@@ -30,8 +30,9 @@ def to16k(audio: np.ndarray) -> np.ndarray:
     return soxr.resample(audio.astype(np.float32), SAMPLE_RATE, 16000)
 
 
-def score(wav: np.ndarray, u, lang: str, mel_fn, asr, spoken: dict[str, str] | None,
-          with_mcd: bool = True) -> dict:
+def score(
+    wav: np.ndarray, u, lang: str, mel_fn, asr, spoken: dict[str, str] | None, with_mcd: bool = True
+) -> dict:
     """DNSMOS, MCD against the teacher's mel and (English) recognition of one waveform."""
     a16 = to16k(wav)
     row = {"dnsmos": dnsmos(a16)}
@@ -43,8 +44,18 @@ def score(wav: np.ndarray, u, lang: str, mel_fn, asr, spoken: dict[str, str] | N
     return row
 
 
-def teacher_rows(cfg: RecipeConfig, lang: str, name: str, utts: list, codes: list, decoder, backend, mel_fn,
-                 asr, spoken: dict[str, str]) -> dict[str, list[dict]]:
+def teacher_rows(
+    cfg: RecipeConfig,
+    lang: str,
+    name: str,
+    utts: list,
+    codes: list,
+    decoder,
+    backend,
+    mel_fn,
+    asr,
+    spoken: dict[str, str],
+) -> dict[str, list[dict]]:
     """Scores of the teacher's audio and of its own tokens vocoded, cached (they do not depend on the LM)."""
     path = cfg.cache / f"eval_teacher_{name}_{len(utts)}.json"
     if path.exists():
@@ -53,7 +64,9 @@ def teacher_rows(cfg: RecipeConfig, lang: str, name: str, utts: list, codes: lis
     for k, u in enumerate(utts):
         audio, phones = teacher_audio(u.text, lang)
         s, e = trim_bounds(phones, len(audio))
-        rows["teacher audio"].append(score(audio[s:e], u, lang, mel_fn, asr, spoken, with_mcd=False))
+        rows["teacher audio"].append(
+            score(audio[s:e], u, lang, mel_fn, asr, spoken, with_mcd=False)
+        )
         _, taudio = vocode(codes[k], decoder, backend)
         rows["teacher tokens"].append(score(taudio, u, lang, mel_fn, asr, spoken))
     path.write_text(json.dumps(rows))
@@ -65,21 +78,38 @@ def _spoken_of(cfg: RecipeConfig, utts) -> dict[str, str]:
     return {u.text: spoken.get(u.text, u.text) for u in utts}
 
 
-def score_decoding(cfg: RecipeConfig, lm_dir: Path, decoding: Decoding, sets: list[tuple[str, str, list]],
-                   tools: dict, n_audio: dict[str, int], with_teacher: bool = True) -> tuple[list[dict], dict]:
+def score_decoding(
+    cfg: RecipeConfig,
+    lm_dir: Path,
+    decoding: Decoding,
+    sets: list[tuple[str, str, list]],
+    tools: dict,
+    n_audio: dict[str, int],
+    with_teacher: bool = True,
+) -> tuple[list[dict], dict]:
     """Decode and score each (lang, name, utterances) set; rows of the table and per-sentence hyps."""
     rows, hyps = [], {}
     for lang, name, utts in sets:
         t0 = time.time()
-        streams = decode(cfg, lm_dir, [u.phonemes for u in utts], decoding,
-                         teacher_durations=[u.durations for u in utts], predictor=tools["predictor"])
+        streams = decode(
+            cfg,
+            lm_dir,
+            [u.phonemes for u in utts],
+            decoding,
+            teacher_durations=[u.durations for u in utts],
+            predictor=tools["predictor"],
+        )
         gen_s = time.time() - t0
         parsed = [split_stream(st) for st in streams]
-        ratios = np.array([len(c) / max(1, int(u.durations.sum())) for u, (_, c, _) in zip(utts, parsed)])
+        ratios = np.array(
+            [len(c) / max(1, int(u.durations.sum())) for u, (_, c, _) in zip(utts, parsed)]
+        )
         runaway = sum(not stopped for _, _, stopped in parsed)
         # against the string the LM reads: the tokenizer's normaliser turns clause marks into breaks
         refs = [normalize_phonemes(u.phonemes) for u in utts]
-        cer = float(np.mean([edit_distance(ch, ref) / len(ref) for ref, (ch, _, _) in zip(refs, parsed)]))
+        cer = float(
+            np.mean([edit_distance(ch, ref) / len(ref) for ref, (ch, _, _) in zip(refs, parsed)])
+        )
         n = min(n_audio.get(lang, 0), len(utts))
         spoken = _spoken_of(cfg, utts)
         asr = None
@@ -90,8 +120,20 @@ def score_decoding(cfg: RecipeConfig, lm_dir: Path, decoding: Decoding, sets: li
         systems: dict[str, list[dict]] = {}
         if with_teacher:
             codes = split_codes(cfg, name)
-            systems.update(teacher_rows(cfg, lang, name, utts[:n], codes, tools["decoder"], tools["backend"],
-                                        tools["mel"], asr, spoken))
+            systems.update(
+                teacher_rows(
+                    cfg,
+                    lang,
+                    name,
+                    utts[:n],
+                    codes,
+                    tools["decoder"],
+                    tools["backend"],
+                    tools["mel"],
+                    asr,
+                    spoken,
+                )
+            )
         voice = []
         for k, u in enumerate(utts[:n]):
             gen_codes = parsed[k][1] if len(parsed[k][1]) >= 2 else [0, 0]
@@ -100,16 +142,29 @@ def score_decoding(cfg: RecipeConfig, lm_dir: Path, decoding: Decoding, sets: li
         systems["voice"] = voice
         hyps[f"{name}/{decoding.name}"] = [{"text": u.text, **r} for u, r in zip(utts, voice)]
         for system, rs in systems.items():
-            entry = {"set": name, "lang": lang, "system": system if system != "voice" else decoding.name,
-                     "n": len(rs), "dnsmos": float(np.mean([r["dnsmos"] for r in rs])) if rs else float("nan")}
+            entry = {
+                "set": name,
+                "lang": lang,
+                "system": system if system != "voice" else decoding.name,
+                "n": len(rs),
+                "dnsmos": float(np.mean([r["dnsmos"] for r in rs])) if rs else float("nan"),
+            }
             if system != "teacher audio" and rs:
                 entry["mcd_db"] = float(np.mean([r["mcd"] for r in rs]))
             if lang == "en" and rs:
-                entry["wer"] = sum(r["errors"] for r in rs) / max(1, sum(r["ref_words"] for r in rs))
+                entry["wer"] = sum(r["errors"] for r in rs) / max(
+                    1, sum(r["ref_words"] for r in rs)
+                )
             if system == "voice":
-                entry.update(n_generated=len(utts), duration_ratio=float(np.median(ratios)),
-                             below_half=int((ratios < 0.5).sum()), above_2x=int((ratios > 2).sum()),
-                             runaway=runaway, phoneme_copy_cer=cer, generation_s=gen_s)
+                entry.update(
+                    n_generated=len(utts),
+                    duration_ratio=float(np.median(ratios)),
+                    below_half=int((ratios < 0.5).sum()),
+                    above_2x=int((ratios > 2).sum()),
+                    runaway=runaway,
+                    phoneme_copy_cer=cer,
+                    generation_s=gen_s,
+                )
             rows.append(entry)
             print(json.dumps(entry), flush=True)
     return rows, hyps
@@ -121,8 +176,12 @@ def _tools(cfg: RecipeConfig) -> dict:
 
     backend = TorchBackend()
     predictor = cfg.cache / "durations" / "duration_predictor.safetensors"
-    return {"decoder": load_decoder(cfg), "backend": backend, "mel": MelSpectrogram(backend.config),
-            "predictor": predictor if predictor.exists() else None}
+    return {
+        "decoder": load_decoder(cfg),
+        "backend": backend,
+        "mel": MelSpectrogram(backend.config),
+        "predictor": predictor if predictor.exists() else None,
+    }
 
 
 def choose_decoding(cfg: RecipeConfig, lm_dir: Path | None = None, n_en: int = 40) -> Decoding:
@@ -144,10 +203,18 @@ def choose_decoding(cfg: RecipeConfig, lm_dir: Path | None = None, n_en: int = 4
         cached.parent.mkdir(exist_ok=True)
         cached.write_text(json.dumps(got))
         rows += got
-    deployable = [r for r in rows if r["lang"] == "en" and r["system"] not in
-                  {c.name for c in CANDIDATES if c.oracle}]
-    fits = [r for r in deployable if all(x["below_half"] == 0 and x["above_2x"] == 0
-                                         for x in rows if x["system"] == r["system"])] or deployable
+    deployable = [
+        r
+        for r in rows
+        if r["lang"] == "en" and r["system"] not in {c.name for c in CANDIDATES if c.oracle}
+    ]
+    fits = [
+        r
+        for r in deployable
+        if all(
+            x["below_half"] == 0 and x["above_2x"] == 0 for x in rows if x["system"] == r["system"]
+        )
+    ] or deployable
     best = min(fits, key=lambda r: r["wer"])["system"]
     chosen = next(c for c in CANDIDATES if c.name == best)
     report = {"lm_dir": str(lm_dir), "rows": rows, "chosen": chosen.name}
@@ -160,18 +227,27 @@ def chosen_decoding(cfg: RecipeConfig) -> Decoding:
     """The decoding choose_decoding picked (run it first)."""
     path = cfg.cache / "decoding.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run the eval step (it chooses the decoding first)")
+        raise FileNotFoundError(
+            f"{path} is missing: run the eval step (it chooses the decoding first)"
+        )
     name = json.loads(path.read_text())["chosen"]
     return next(c for c in CANDIDATES if c.name == name)
 
 
 def splits_for_validation(cfg: RecipeConfig) -> list[tuple[str, str, list]]:
     """The natural validation slice the LM's checkpoint was chosen on (tails of the training splits)."""
-    return [("en", "en_train", load_split(cfg, "en_train")[-100:]),
-            ("zh", "zh_train", load_split(cfg, "zh_train")[-40:])]
+    return [
+        ("en", "en_train", load_split(cfg, "en_train")[-100:]),
+        ("zh", "zh_train", load_split(cfg, "zh_train")[-40:]),
+    ]
 
 
-HELD_OUT = (("en", "en_natural", 200), ("zh", "zh_natural", 40), ("en", "en_eval", 100), ("zh", "zh_eval", 20))
+HELD_OUT = (
+    ("en", "en_natural", 200),
+    ("zh", "zh_natural", 40),
+    ("en", "en_eval", 100),
+    ("zh", "zh_eval", 20),
+)
 
 
 def teacher_scores(cfg: RecipeConfig) -> None:
@@ -187,8 +263,18 @@ def teacher_scores(cfg: RecipeConfig) -> None:
             arpa = cfg.cache / f"eval_{name}.arpa"
             write_arpa(list(spoken.values()), arpa)
             asr = Recognizer(arpa)
-        teacher_rows(cfg, lang, name, utts, split_codes(cfg, name), tools["decoder"], tools["backend"],
-                     tools["mel"], asr, spoken)
+        teacher_rows(
+            cfg,
+            lang,
+            name,
+            utts,
+            split_codes(cfg, name),
+            tools["decoder"],
+            tools["backend"],
+            tools["mel"],
+            asr,
+            spoken,
+        )
         print(f"teacher scores of {name}: done", flush=True)
 
 
@@ -199,18 +285,31 @@ def evaluate(cfg: RecipeConfig, lm_dir: Path | None = None, tag: str = "") -> di
     the first 200 / 40 natural and 100 / 20 template sentences (English / Mandarin)."""
     torch.set_num_threads(cfg.threads)
     lm_dir = lm_dir or cfg.cache / "lm" / "best"
-    decoding = chosen_decoding(cfg) if (cfg.cache / "decoding.json").exists() else choose_decoding(cfg, lm_dir)
+    decoding = (
+        chosen_decoding(cfg)
+        if (cfg.cache / "decoding.json").exists()
+        else choose_decoding(cfg, lm_dir)
+    )
     out_dir = cfg.cache / f"eval{tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
     tools = _tools(cfg)
     rows, hyps = [], {}
     for lang, name, n in HELD_OUT:
-        got, h = score_decoding(cfg, lm_dir, decoding, [(lang, name, load_split(cfg, name))], tools, {lang: n})
+        got, h = score_decoding(
+            cfg, lm_dir, decoding, [(lang, name, load_split(cfg, name))], tools, {lang: n}
+        )
         rows += got
         hyps.update(h)
     free = next(c for c in CANDIDATES if not c.sync)  # the old bundles' decoding, for comparison
-    free_rows, _ = score_decoding(cfg, lm_dir, free, [("en", "en_natural", load_split(cfg, "en_natural"))],
-                                  tools, {"en": 100}, with_teacher=False)
+    free_rows, _ = score_decoding(
+        cfg,
+        lm_dir,
+        free,
+        [("en", "en_natural", load_split(cfg, "en_natural"))],
+        tools,
+        {"en": 100},
+        with_teacher=False,
+    )
     report = {"lm_dir": str(lm_dir), "decoding": decoding.name, "rows": rows + free_rows}
     (out_dir / "hyps.json").write_text(json.dumps(hyps, indent=1, ensure_ascii=False))
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
@@ -221,14 +320,25 @@ def evaluate(cfg: RecipeConfig, lm_dir: Path | None = None, tag: str = "") -> di
 
 def table(report: dict) -> str:
     """The evaluation as a Markdown table."""
-    lines = ["| set | system | n | WER | DNSMOS | MCD (dB) | duration ratio (median) | < 0.5x / > 2x | "
-             "phoneme-copy error | runaway |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| set | system | n | WER | DNSMOS | MCD (dB) | duration ratio (median) | < 0.5x / > 2x | "
+        "phoneme-copy error | runaway |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["rows"]:
+
         def f(key: str, fmt: str) -> str:
             return format(r[key], fmt) if key in r else "-"  # noqa: B023 - this row only
-        out_of_range = f"{r['below_half']} / {r['above_2x']} of {r['n_generated']}" if "below_half" in r else "-"
+
+        out_of_range = (
+            f"{r['below_half']} / {r['above_2x']} of {r['n_generated']}"
+            if "below_half" in r
+            else "-"
+        )
         runaway = f"{r['runaway']}/{r['n_generated']}" if "runaway" in r else "-"
-        lines.append(f"| {r['set']} | {r['system']} | {r['n']} | {f('wer', '.1%')} | {f('dnsmos', '.2f')} | "
-                     f"{f('mcd_db', '.2f')} | {f('duration_ratio', '.2f')} | {out_of_range} | "
-                     f"{f('phoneme_copy_cer', '.1%')} | {runaway} |")
+        lines.append(
+            f"| {r['set']} | {r['system']} | {r['n']} | {f('wer', '.1%')} | {f('dnsmos', '.2f')} | "
+            f"{f('mcd_db', '.2f')} | {f('duration_ratio', '.2f')} | {out_of_range} | "
+            f"{f('phoneme_copy_cer', '.1%')} | {runaway} |"
+        )
     return "\n".join(lines) + "\n"

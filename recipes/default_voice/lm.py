@@ -72,15 +72,21 @@ def build_tokenizer(codebook_size: int):
     for k in range(codebook_size):
         vocab[f"<|s_{k}|>"] = SPEECH_START + k
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
-    tok.normalizer = normalizers.Sequence([
-        normalizers.Strip(), normalizers.Replace(Regex(CLAUSE_PUNCT), "\n"),
-        normalizers.Replace(Regex(r"[ \t\r]*\n\s*"), "\n"), normalizers.Replace(Regex(r"[ \t\r]+"), " "),
-        normalizers.Strip()])
+    tok.normalizer = normalizers.Sequence(
+        [
+            normalizers.Strip(),
+            normalizers.Replace(Regex(CLAUSE_PUNCT), "\n"),
+            normalizers.Replace(Regex(r"[ \t\r]*\n\s*"), "\n"),
+            normalizers.Replace(Regex(r"[ \t\r]+"), " "),
+            normalizers.Strip(),
+        ]
+    )
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS]
-                           + [AddedToken(f"<|s_{k}|>", special=True, normalized=False)
-                              for k in range(codebook_size)])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIALS]
+        + [AddedToken(f"<|s_{k}|>", special=True, normalized=False) for k in range(codebook_size)]
+    )
     return tok
 
 
@@ -97,7 +103,7 @@ def sequence(u: Utterance, codes: np.ndarray) -> tuple[list[int], int]:
     body, pos = [], 0
     for ch, d in zip(units, u.durations):
         body.append(char_id(ch))
-        body.extend(SPEECH_START + int(c) for c in codes[pos:pos + int(d)])
+        body.extend(SPEECH_START + int(c) for c in codes[pos : pos + int(d)])
         pos += int(d)
     return prompt + body + [EOS], len(prompt)
 
@@ -108,14 +114,32 @@ def build_model(cfg: RecipeConfig):
 
     heads = cfg.hidden_size // 64
     config = Qwen3_5TextConfig(
-        vocab_size=vocab_size(cfg.codebook_size), hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.hidden_size * 3, num_hidden_layers=cfg.num_layers,
-        layer_types=list(cfg.layer_types), num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        head_dim=64, linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        attention_dropout=cfg.dropout, tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOS,
-        pad_token_id=PAD, dtype="float32")
+        vocab_size=vocab_size(cfg.codebook_size),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.hidden_size * 3,
+        num_hidden_layers=cfg.num_layers,
+        layer_types=list(cfg.layer_types),
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        attention_dropout=cfg.dropout,
+        tie_word_embeddings=True,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        dtype="float32",
+    )
     torch.manual_seed(cfg.seed)
     return Qwen3_5ForCausalLM(config)
 
@@ -136,8 +160,13 @@ def _batches(seqs: list[tuple[list[int], int]], budget: int, rng: random.Random)
     return batches
 
 
-def collate(seqs: list[tuple[list[int], int]], idx: list[int], noise: float, codebook_size: int,
-            rng: torch.Generator | None) -> dict[str, torch.Tensor]:
+def collate(
+    seqs: list[tuple[list[int], int]],
+    idx: list[int],
+    noise: float,
+    codebook_size: int,
+    rng: torch.Generator | None,
+) -> dict[str, torch.Tensor]:
     """Right-padded inputs; labels only after the prompt; speech inputs randomly replaced by `noise`."""
     t = max(len(seqs[i][0]) for i in idx)
     ids = torch.full((len(idx), t), PAD, dtype=torch.long)
@@ -145,28 +174,37 @@ def collate(seqs: list[tuple[list[int], int]], idx: list[int], noise: float, cod
     mask = torch.zeros((len(idx), t), dtype=torch.long)
     for row, i in enumerate(idx):
         s, p = seqs[i]
-        ids[row, :len(s)] = torch.tensor(s)
-        labels[row, p:len(s)] = ids[row, p:len(s)]
-        mask[row, :len(s)] = 1
+        ids[row, : len(s)] = torch.tensor(s)
+        labels[row, p : len(s)] = ids[row, p : len(s)]
+        mask[row, : len(s)] = 1
     inputs = ids.clone()
     if noise > 0:
         speech = inputs >= SPEECH_START
         flip = speech & (torch.rand(inputs.shape, generator=rng) < noise)
-        inputs[flip] = SPEECH_START + torch.randint(codebook_size, (int(flip.sum()),), generator=rng)
+        inputs[flip] = SPEECH_START + torch.randint(
+            codebook_size, (int(flip.sum()),), generator=rng
+        )
     return {"input_ids": inputs, "labels": labels, "attention_mask": mask}
 
 
 @torch.no_grad()
-def generate(model, phonemes: str, max_new: int, temperature: float = 0.0, top_k: int = 50,
-             seed: int = 0) -> list[int]:
+def generate(
+    model, phonemes: str, max_new: int, temperature: float = 0.0, top_k: int = 50, seed: int = 0
+) -> list[int]:
     """Free-running continuation of one prompt, up to and without the end token."""
     ids = torch.tensor([prompt_ids(phonemes)])
     kwargs = {"do_sample": temperature > 0}
     if temperature > 0:
         torch.manual_seed(seed)
         kwargs.update(temperature=temperature, top_k=top_k, top_p=1.0)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                         eos_token_id=EOS, pad_token_id=PAD, **kwargs)[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        **kwargs,
+    )[0, ids.shape[1] :].tolist()
     return out
 
 
@@ -174,7 +212,7 @@ def split_stream(stream: list[int]) -> tuple[str, list[int], bool]:
     """Generated ids -> (phoneme characters, speech codes, stopped with the end token)."""
     stopped = EOS in stream
     if stopped:
-        stream = stream[:stream.index(EOS)]
+        stream = stream[: stream.index(EOS)]
     chars = "".join(CHARS[i - CHAR_BASE] for i in stream if CHAR_BASE <= i < CHAR_BASE + len(CHARS))
     codes = [i - SPEECH_START for i in stream if i >= SPEECH_START]
     return chars, codes, stopped
@@ -195,7 +233,9 @@ def max_new_tokens(phonemes: str, cfg: RecipeConfig) -> int:
     return min(cfg.max_tokens, 8 * len(phonemes) + 60)
 
 
-def held_out_loss(model, seqs: list[tuple[list[int], int]], cfg: RecipeConfig) -> tuple[float, float]:
+def held_out_loss(
+    model, seqs: list[tuple[list[int], int]], cfg: RecipeConfig
+) -> tuple[float, float]:
     """Teacher-forced loss and speech-token accuracy."""
     model.eval()
     losses, correct, total = [], 0, 0
@@ -218,8 +258,11 @@ def splits(cfg: RecipeConfig) -> dict[str, list[tuple[Utterance, np.ndarray]]]:
     codes = load_codes(cfg)
     out: dict[str, list] = {"train": [], "val_en": [], "val_zh": []}
     for split, n_val in (("en_train", 100), ("zh_train", 40)):
-        pairs = [(u, c) for u, c in zip(load_split(cfg, split), codes[split])
-                 if normalize_phonemes(u.phonemes) == u.phonemes and len(c) == int(u.durations.sum())]
+        pairs = [
+            (u, c)
+            for u, c in zip(load_split(cfg, split), codes[split])
+            if normalize_phonemes(u.phonemes) == u.phonemes and len(c) == int(u.durations.sum())
+        ]
         out["train"].extend(pairs[:-n_val])
         out["val_" + split[:2]].extend(pairs[-n_val:])
     return out
@@ -238,8 +281,11 @@ def train_lm(cfg: RecipeConfig) -> None:
     # the validation slice is natural text: decoding is held to the phonemes by the engine's
     # constraint, so what picks the checkpoint is how well it predicts the acoustic tokens there
     val = [sequence(u, c) for u, c in data["val_en"] + data["val_zh"]]
-    print(f"lm: {len(train)} training sequences, {sum(len(s) for s, _ in train)} tokens; "
-          f"mean length {np.mean([len(s) for s, _ in train]):.0f}", flush=True)
+    print(
+        f"lm: {len(train)} training sequences, {sum(len(s) for s, _ in train)} tokens; "
+        f"mean length {np.mean([len(s) for s, _ in train]):.0f}",
+        flush=True,
+    )
     model = build_model(cfg)
     peak_lr = cfg.lm_lr
     if cfg.init_from is not None:
@@ -256,7 +302,12 @@ def train_lm(cfg: RecipeConfig) -> None:
         state = torch.load(state_path, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        step, elapsed, best, history = state["step"], state["elapsed"], state["best"], state["history"]
+        step, elapsed, best, history = (
+            state["step"],
+            state["elapsed"],
+            state["best"],
+            state["history"],
+        )
         print(f"lm: resumed at step {step}, {elapsed / 60:.1f} min", flush=True)
         if history and history[-1].get("val_n") != len(val):
             best = math.inf  # scores from another validation set do not compare
@@ -268,12 +319,18 @@ def train_lm(cfg: RecipeConfig) -> None:
     t_last, tokens, next_eval = time.time(), 0, elapsed + cfg.eval_minutes * 60
     if step == 0 and cfg.init_from is not None:
         vl, acc = held_out_loss(model, val, cfg)
-        history.append({"step": 0, "minutes": 0.0, "val_loss": vl, "val_acc": acc, "val_n": len(val)})
+        history.append(
+            {"step": 0, "minutes": 0.0, "val_loss": vl, "val_acc": acc, "val_n": len(val)}
+        )
         print("eval", json.dumps(history[-1]), flush=True)
     while elapsed < budget:
         for idx in _batches(train, cfg.lm_batch_tokens, rng):
             frac = elapsed / budget
-            lr = peak_lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+            lr = (
+                peak_lr
+                * min(1.0, (step + 1) / 100)
+                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+            )
             for g in opt.param_groups:
                 g["lr"] = lr
             b = collate(train, idx, 0.1, cfg.codebook_size, gen)
@@ -288,22 +345,42 @@ def train_lm(cfg: RecipeConfig) -> None:
             elapsed += now - t_last
             t_last = now
             if step % 25 == 0:
-                print(f"step {step} loss {loss.item():.3f} lr {lr:.2e} {elapsed / 60:.1f} min "
-                      f"{tokens / max(1e-9, time.time() - t_start):.0f} tok/s", flush=True)
+                print(
+                    f"step {step} loss {loss.item():.3f} lr {lr:.2e} {elapsed / 60:.1f} min "
+                    f"{tokens / max(1e-9, time.time() - t_start):.0f} tok/s",
+                    flush=True,
+                )
             if elapsed >= next_eval or elapsed >= budget:
                 next_eval = elapsed + cfg.eval_minutes * 60
                 vl, acc = held_out_loss(model, val, cfg)
                 score = vl
-                history.append({"step": step, "minutes": elapsed / 60, "train_loss": loss.item(), "val_loss": vl,
-                                "val_acc": acc, "val_n": len(val)})
+                history.append(
+                    {
+                        "step": step,
+                        "minutes": elapsed / 60,
+                        "train_loss": loss.item(),
+                        "val_loss": vl,
+                        "val_acc": acc,
+                        "val_n": len(val),
+                    }
+                )
                 print("eval", json.dumps(history[-1]), flush=True)
                 save_lm(model, work / f"step_{step}")
                 if score < best:
                     best = score
                     save_lm(model, work / "best")
                     print(f"lm: new best at step {step}", flush=True)
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "elapsed": elapsed, "best": best, "history": history}, state_path)
+                torch.save(
+                    {
+                        "model": model.state_dict(),
+                        "opt": opt.state_dict(),
+                        "step": step,
+                        "elapsed": elapsed,
+                        "best": best,
+                        "history": history,
+                    },
+                    state_path,
+                )
                 (work / "history.json").write_text(json.dumps(history, indent=1))
                 t_last = time.time()
             if elapsed >= budget:
@@ -317,7 +394,19 @@ def save_lm(model, folder: Path) -> None:
     model.save_pretrained(folder, safe_serialization=True)
     codebook_size = model.config.vocab_size - SPEECH_START
     build_tokenizer(codebook_size).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>", "unk_token": "<|unk|>", "model_max_length": 4096,
-        "add_bos_token": False, "add_eos_token": False}, indent=1) + "\n")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|bos|>",
+                "eos_token": "<|eos|>",
+                "pad_token": "<|pad|>",
+                "unk_token": "<|unk|>",
+                "model_max_length": 4096,
+                "add_bos_token": False,
+                "add_eos_token": False,
+            },
+            indent=1,
+        )
+        + "\n"
+    )

@@ -51,8 +51,12 @@ class Recognizer:
         import pocketsphinx
 
         model = pocketsphinx.get_model_path()
-        config = pocketsphinx.Config(hmm=os.path.join(model, "en-us", "en-us"), lm=str(lm_path),
-                                     dict=os.path.join(model, "en-us", "cmudict-en-us.dict"), loglevel="FATAL")
+        config = pocketsphinx.Config(
+            hmm=os.path.join(model, "en-us", "en-us"),
+            lm=str(lm_path),
+            dict=os.path.join(model, "en-us", "cmudict-en-us.dict"),
+            loglevel="FATAL",
+        )
         self.decoder = pocketsphinx.Decoder(config)
 
     def __call__(self, audio16k: np.ndarray) -> str:
@@ -89,9 +93,12 @@ def dnsmos(audio16k: np.ndarray) -> float:
         opts.intra_op_num_threads = opts.inter_op_num_threads = 1
         scorer = dm.DNSMOS.__new__(dm.DNSMOS)
         scorer.primary_model_path = os.path.join(folder, "sig_bak_ovr.onnx")
-        scorer.onnx_sess = ort.InferenceSession(scorer.primary_model_path, opts, providers=["CPUExecutionProvider"])
-        scorer.p808_onnx_sess = ort.InferenceSession(os.path.join(folder, "model_v8.onnx"), opts,
-                                                     providers=["CPUExecutionProvider"])
+        scorer.onnx_sess = ort.InferenceSession(
+            scorer.primary_model_path, opts, providers=["CPUExecutionProvider"]
+        )
+        scorer.p808_onnx_sess = ort.InferenceSession(
+            os.path.join(folder, "model_v8.onnx"), opts, providers=["CPUExecutionProvider"]
+        )
         dm.dnsmos = scorer
     peak = np.abs(audio16k).max()
     x = audio16k / peak * 0.9 if peak > 0 else audio16k
@@ -132,4 +139,4 @@ def mcd(log_mel_a: np.ndarray, log_mel_b: np.ndarray) -> float:
     a, b = cepstra(log_mel_a), cepstra(log_mel_b)
     ia, ib = dtw_path(a, b)
     diff = a[ia] - b[ib]
-    return float(np.mean(10.0 / math.log(10) * np.sqrt(2 * (diff ** 2).sum(-1))))
+    return float(np.mean(10.0 / math.log(10) * np.sqrt(2 * (diff**2).sum(-1))))

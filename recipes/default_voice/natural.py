@@ -28,11 +28,54 @@ _ZH_SPLIT = re.compile(r"(?<=[。！？])")
 _ZH_MODERN = re.compile(r"[的了们这吗呢吧很您]|没有|什么|可以|如果|因为|所以|已经|一个|我们|他们")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m|\[[0-9;]*m")
 # English fortune files of everyday prose (the offensive set is a separate package, not used)
-_FORTUNE_FILES = ("wisdom", "people", "literature", "love", "food", "pets", "work", "education",
-                  "kids", "platitudes", "miscellaneous", "humorists", "fortunes", "sports", "men-women")
-_CODE_WORDS = {"self", "args", "kwargs", "none", "true", "false", "str", "int", "dict", "bool",
-               "tuple", "iterable", "callable", "param", "params", "func", "obj", "attr", "stdin",
-               "stdout", "stderr", "utf", "ascii", "unicode", "api", "url", "os", "sys", "xml"}
+_FORTUNE_FILES = (
+    "wisdom",
+    "people",
+    "literature",
+    "love",
+    "food",
+    "pets",
+    "work",
+    "education",
+    "kids",
+    "platitudes",
+    "miscellaneous",
+    "humorists",
+    "fortunes",
+    "sports",
+    "men-women",
+)
+_CODE_WORDS = {
+    "self",
+    "args",
+    "kwargs",
+    "none",
+    "true",
+    "false",
+    "str",
+    "int",
+    "dict",
+    "bool",
+    "tuple",
+    "iterable",
+    "callable",
+    "param",
+    "params",
+    "func",
+    "obj",
+    "attr",
+    "stdin",
+    "stdout",
+    "stderr",
+    "utf",
+    "ascii",
+    "unicode",
+    "api",
+    "url",
+    "os",
+    "sys",
+    "xml",
+}
 
 
 def _english_ok(s: str, min_words: int, max_words: int) -> bool:
@@ -72,7 +115,9 @@ def stdlib_docstrings() -> list[str]:
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
                 if doc:
-                    texts.extend(p for p in re.split(r"\n\s*\n", doc) if not p.lstrip().startswith(">>>"))
+                    texts.extend(
+                        p for p in re.split(r"\n\s*\n", doc) if not p.lstrip().startswith(">>>")
+                    )
     return texts
 
 
@@ -92,7 +137,9 @@ def _fortunes(folder: Path, names: tuple[str, ...]) -> list[str]:
         if not path.is_file():
             continue
         for entry in path.read_text(encoding="utf-8", errors="replace").split("\n%\n"):
-            body = [ln for ln in _ANSI.sub("", entry).splitlines() if not ln.strip().startswith("--")]
+            body = [
+                ln for ln in _ANSI.sub("", entry).splitlines() if not ln.strip().startswith("--")
+            ]
             texts.append(" ".join(body))
     return texts
 
@@ -111,7 +158,12 @@ def _chinese_sentences(texts: list[str], min_chars: int, max_chars: int) -> list
     for text in texts:
         flat = re.sub(r"\s+", "", _ANSI.sub("", text))
         for s in _ZH_SPLIT.split(flat):
-            if _ZH_OK.fullmatch(s) and _ZH_MODERN.search(s) and min_chars <= len(s) <= max_chars and s not in seen:
+            if (
+                _ZH_OK.fullmatch(s)
+                and _ZH_MODERN.search(s)
+                and min_chars <= len(s) <= max_chars
+                and s not in seen
+            ):
                 seen.add(s)
                 out.append(s)
     return out
@@ -121,7 +173,9 @@ def chinese_training(count: int, seed: int) -> list[str]:
     """Sentences of 6-40 characters from Debian's `fortunes-zh` (apt-get install fortunes-zh)."""
     out = _chinese_sentences(_fortunes(FORTUNES, ("chinese",)), 6, 40)
     if len(out) < count:
-        raise RuntimeError(f"{len(out)} sentences in {FORTUNES / 'chinese'}: apt-get install fortunes-zh")
+        raise RuntimeError(
+            f"{len(out)} sentences in {FORTUNES / 'chinese'}: apt-get install fortunes-zh"
+        )
     random.Random(seed).shuffle(out)
     return out[:count]
 
@@ -135,7 +189,9 @@ def chinese_held_out(count: int, seed: int) -> list[str]:
                 catalog = gettext.GNUTranslations(f)._catalog  # the parsed .mo
         except OSError:
             continue
-        texts.extend(v for k, v in catalog.items() if isinstance(k, str) and k and isinstance(v, str))
+        texts.extend(
+            v for k, v in catalog.items() if isinstance(k, str) and k and isinstance(v, str)
+        )
     out = _chinese_sentences(texts, 6, 40)
     if len(out) < count:
         raise RuntimeError(f"only {len(out)} zh_CN catalogue sentences under {LOCALE_ZH}")

@@ -56,9 +56,16 @@ CANDIDATES = (
 )
 
 
-def decode(cfg: RecipeConfig, lm_dir: Path, phonemes: list[str], decoding: Decoding,
-           teacher_durations: list[np.ndarray] | None = None, temperature: float = 0.0,
-           top_k: int = 50, predictor: Path | None = None) -> list[list[int]]:
+def decode(
+    cfg: RecipeConfig,
+    lm_dir: Path,
+    phonemes: list[str],
+    decoding: Decoding,
+    teacher_durations: list[np.ndarray] | None = None,
+    temperature: float = 0.0,
+    top_k: int = 50,
+    predictor: Path | None = None,
+) -> list[list[int]]:
     """Output ids of each phoneme string (the end id included when it stopped)."""
     import torch
 
@@ -67,8 +74,15 @@ def decode(cfg: RecipeConfig, lm_dir: Path, phonemes: list[str], decoding: Decod
     from text_service.sampling_params import SamplingParams
 
     torch.set_num_threads(cfg.threads)
-    engine = LLMEngine(EngineArgs(model=str(lm_dir), device="cpu", max_num_seqs=64,
-                                  kv_cache_memory_bytes=1 << 29, seed=cfg.seed))
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(lm_dir),
+            device="cpu",
+            max_num_seqs=64,
+            kv_cache_memory_bytes=1 << 29,
+            seed=cfg.seed,
+        )
+    )
     speech = (SPEECH_START, SPEECH_START + cfg.codebook_size - 1)
     planner = None
     if decoding.sync:
@@ -77,18 +91,31 @@ def decode(cfg: RecipeConfig, lm_dir: Path, phonemes: list[str], decoding: Decod
         planner = SyncPlanner(lm_dir / "tokenizer.json", PROMPT_TEMPLATE, decoding.cap, band, path)
     prompts, params = [], []
     for k, text in enumerate(phonemes):
-        base = dict(temperature=temperature, top_k=top_k if temperature > 0 else 0, seed=cfg.seed + k)
+        base = dict(
+            temperature=temperature, top_k=top_k if temperature > 0 else 0, seed=cfg.seed + k
+        )
         if planner is None:
             prompts.append(prompt_ids(text))
-            params.append(SamplingParams(max_tokens=max_new_tokens(text, cfg), stop_token_ids=(EOS,),
-                                         allowed_token_range=(CHAR_BASE, speech[1]), **base))
+            params.append(
+                SamplingParams(
+                    max_tokens=max_new_tokens(text, cfg),
+                    stop_token_ids=(EOS,),
+                    allowed_token_range=(CHAR_BASE, speech[1]),
+                    **base,
+                )
+            )
             continue
         plan = planner.plan(text)
         lo, hi = plan.min_tokens, plan.max_tokens
         if decoding.oracle and len(teacher_durations[k]) == len(lo):
-            lo = hi = [int(d) for d in teacher_durations[k]]  # else the tokenizer dropped a character
+            lo = hi = [
+                int(d) for d in teacher_durations[k]
+            ]  # else the tokenizer dropped a character
         c = PhonemeSync(tuple(plan.phoneme_ids), speech, EOS, tuple(lo), tuple(hi))
         prompts.append(plan.prompt_ids)
-        params.append(SamplingParams(max_tokens=min(cfg.max_tokens * 2, len(lo) + sum(hi) + 1),
-                                     phoneme_sync=c, **base))
+        params.append(
+            SamplingParams(
+                max_tokens=min(cfg.max_tokens * 2, len(lo) + sum(hi) + 1), phoneme_sync=c, **base
+            )
+        )
     return engine.generate(prompts, params)

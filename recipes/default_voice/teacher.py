@@ -22,12 +22,48 @@ MODIFIERS = set("',:#;|_ -0123456789[].%=!^?")
 ATTACHED = set("0123456789:#;")
 
 _ARPABET = {
-    "aa": "Aa0:", "ae": "a&", "ah": "V@a", "ao": "O0:A", "aw": "aU", "ax": "@aI3V", "axr": "3@r",
-    "ay": "aI", "eh": "Ee", "er": "3:@r", "ey": "eI", "ih": "Ii#@e", "iy": "i:", "ow": "oUO",
-    "oy": "OI", "uh": "Uu", "uw": "u:", "b": "b", "ch": "tS", "d": "dt", "dh": "D", "f": "f",
-    "g": "g", "hh": "h", "jh": "dZ", "k": "k", "l": "l", "m": "m", "n": "n", "ng": "Nn", "p": "p",
-    "r": "r3", "s": "s", "sh": "S", "t": "td#", "th": "T", "v": "v", "w": "w", "y": "j", "z": "z",
-    "zh": "Z", "pau": " |_",
+    "aa": "Aa0:",
+    "ae": "a&",
+    "ah": "V@a",
+    "ao": "O0:A",
+    "aw": "aU",
+    "ax": "@aI3V",
+    "axr": "3@r",
+    "ay": "aI",
+    "eh": "Ee",
+    "er": "3:@r",
+    "ey": "eI",
+    "ih": "Ii#@e",
+    "iy": "i:",
+    "ow": "oUO",
+    "oy": "OI",
+    "uh": "Uu",
+    "uw": "u:",
+    "b": "b",
+    "ch": "tS",
+    "d": "dt",
+    "dh": "D",
+    "f": "f",
+    "g": "g",
+    "hh": "h",
+    "jh": "dZ",
+    "k": "k",
+    "l": "l",
+    "m": "m",
+    "n": "n",
+    "ng": "Nn",
+    "p": "p",
+    "r": "r3",
+    "s": "s",
+    "sh": "S",
+    "t": "td#",
+    "th": "T",
+    "v": "v",
+    "w": "w",
+    "y": "j",
+    "z": "z",
+    "zh": "Z",
+    "pau": " |_",
 }
 
 
@@ -46,13 +82,21 @@ class EspeakLib:
 
     def __init__(self) -> None:
         class Event(ctypes.Structure):
-            _fields_ = [("type", ctypes.c_int), ("uid", ctypes.c_uint), ("text_position", ctypes.c_int),
-                        ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
-                        ("user_data", ctypes.c_void_p), ("id", ctypes.c_char * 8)]
+            _fields_ = [
+                ("type", ctypes.c_int),
+                ("uid", ctypes.c_uint),
+                ("text_position", ctypes.c_int),
+                ("length", ctypes.c_int),
+                ("audio_position", ctypes.c_int),
+                ("sample", ctypes.c_int),
+                ("user_data", ctypes.c_void_p),
+                ("id", ctypes.c_char * 8),
+            ]
 
         self.lib = ctypes.CDLL("libespeak-ng.so.1")
-        callback_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int,
-                                         ctypes.POINTER(Event))
+        callback_type = ctypes.CFUNCTYPE(
+            ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(Event)
+        )
         if self.lib.espeak_Initialize(2, 0, None, 1) != SAMPLE_RATE:  # synchronous, phoneme events
             raise RuntimeError("espeak-ng does not synthesise at 22050 Hz")
         self._chunks: list[np.ndarray] = []
@@ -98,7 +142,10 @@ class EspeakLib:
         self.lib.espeak_Synchronize()
         audio = np.concatenate(self._chunks).astype(np.float32) / 32768.0
         ev = self._events
-        phones = [(name, s, ev[i + 1][1] if i + 1 < len(ev) else len(audio)) for i, (name, s) in enumerate(ev)]
+        phones = [
+            (name, s, ev[i + 1][1] if i + 1 < len(ev) else len(audio))
+            for i, (name, s) in enumerate(ev)
+        ]
         return audio, phones
 
 
@@ -109,8 +156,12 @@ def flite_synth(text: str) -> tuple[np.ndarray, list[tuple[str, int, int]]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         wav = Path(tmp) / "a.wav"
-        out = subprocess.run(["flite", "-voice", "slt", "-psdur", "-t", text, "-o", str(wav)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["flite", "-voice", "slt", "-psdur", "-t", text, "-o", str(wav)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         audio, sr = sf.read(str(wav), dtype="float32")
     audio = soxr.resample(audio, sr, SAMPLE_RATE).astype(np.float32)
     phones, prev = [], 0
@@ -167,8 +218,14 @@ def align(phones: list[tuple[str, int, int]], units: str, arpabet: bool) -> list
     return owner
 
 
-def durations_for(phones: list[tuple[str, int, int]], units: str, start: int, num_tokens: int,
-                  arpabet: bool, samples_per_token: int) -> np.ndarray:
+def durations_for(
+    phones: list[tuple[str, int, int]],
+    units: str,
+    start: int,
+    num_tokens: int,
+    arpabet: bool,
+    samples_per_token: int,
+) -> np.ndarray:
     """Speech tokens after each unit character, summing to `num_tokens`."""
     owner = align(phones, units, arpabet)
     # fill phones without a character from the previous (else next) owned one
@@ -205,4 +262,6 @@ def trim_bounds(phones: list[tuple[str, int, int]], length: int) -> tuple[int, i
     sounding = [(s, e) for name, s, e in phones if not _is_pause(name)]
     if not sounding:
         return 0, length
-    return max(0, sounding[0][0] - int(0.04 * SAMPLE_RATE)), min(length, sounding[-1][1] + int(0.08 * SAMPLE_RATE))
+    return max(0, sounding[0][0] - int(0.04 * SAMPLE_RATE)), min(
+        length, sounding[-1][1] + int(0.08 * SAMPLE_RATE)
+    )

@@ -31,7 +31,12 @@ def stacked(mel: np.ndarray, frames_per_token: int) -> np.ndarray:
     """Log-mel `[80, T * fpt]` -> token vectors `[T, fpt * 80]`, frame-major like the codebook rows."""
     n, t = mel.shape
     t //= frames_per_token
-    return mel[:, :t * frames_per_token].reshape(n, t, frames_per_token).transpose(1, 2, 0).reshape(t, -1)
+    return (
+        mel[:, : t * frames_per_token]
+        .reshape(n, t, frames_per_token)
+        .transpose(1, 2, 0)
+        .reshape(t, -1)
+    )
 
 
 def assign(vectors: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -63,8 +68,12 @@ def kmeans(x: torch.Tensor, k: int, iters: int, seed: int) -> torch.Tensor:
 
 def encode(utts: list[Utterance], centroids: torch.Tensor, fpt: int) -> list[np.ndarray]:
     """Speech-token codes per utterance."""
-    return [assign(torch.from_numpy(stacked(u.mel.astype(np.float32), fpt)), centroids).numpy().astype(np.int16)
-            for u in utts]
+    return [
+        assign(torch.from_numpy(stacked(u.mel.astype(np.float32), fpt)), centroids)
+        .numpy()
+        .astype(np.int16)
+        for u in utts
+    ]
 
 
 def build_codebook(cfg: RecipeConfig) -> None:
@@ -78,11 +87,15 @@ def build_codebook(cfg: RecipeConfig) -> None:
             raise FileNotFoundError(f"{cfg.init_from / 'vocoder'} holds no token decoder")
         np.save(path, kept.codebook.detach().numpy())
         save_token_decoder(kept, cfg.cache / "decoder")
-        (cfg.cache / "decoder" / "report.json").write_text(json.dumps({"kept_from": str(cfg.init_from)}))
+        (cfg.cache / "decoder" / "report.json").write_text(
+            json.dumps({"kept_from": str(cfg.init_from)})
+        )
         (cfg.cache / "decoder" / "done").write_text("ok")
         print(f"codebook and token decoder kept from {cfg.init_from}", flush=True)
     if not path.exists():
-        vecs = [stacked(u.mel.astype(np.float32), fpt) for s in TRAIN_SPLITS for u in load_split(cfg, s)]
+        vecs = [
+            stacked(u.mel.astype(np.float32), fpt) for s in TRAIN_SPLITS for u in load_split(cfg, s)
+        ]
         x = torch.from_numpy(np.concatenate(vecs))
         rng = np.random.default_rng(cfg.seed)
         if len(x) > cfg.kmeans_frames:
@@ -95,8 +108,12 @@ def build_codebook(cfg: RecipeConfig) -> None:
     report = {}
     for s in EVAL_SPLITS:
         utts = load_split(cfg, s)
-        err = [np.abs(stacked(u.mel.astype(np.float32), fpt) - centroids[c.astype(np.int64)].numpy()).mean()
-               for u, c in zip(utts, codes[s])]
+        err = [
+            np.abs(
+                stacked(u.mel.astype(np.float32), fpt) - centroids[c.astype(np.int64)].numpy()
+            ).mean()
+            for u, c in zip(utts, codes[s])
+        ]
         report[s] = float(np.mean(err))
     print("codebook lookup mel L1 (held out):", report, flush=True)
     (cfg.cache / "codebook_report.json").write_text(json.dumps(report))
@@ -115,8 +132,14 @@ def split_codes(cfg: RecipeConfig, split: str) -> list[np.ndarray]:
     return encode(load_split(cfg, split), centroids, cfg.frames_per_token)
 
 
-def _crops(utts: list[Utterance], codes: list[np.ndarray], n: int, length: int, fpt: int,
-           rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+def _crops(
+    utts: list[Utterance],
+    codes: list[np.ndarray],
+    n: int,
+    length: int,
+    fpt: int,
+    rng: random.Random,
+) -> tuple[torch.Tensor, torch.Tensor]:
     xs, ys = [], []
     for _ in range(n):
         i = rng.randrange(len(utts))
@@ -124,15 +147,20 @@ def _crops(utts: list[Utterance], codes: list[np.ndarray], n: int, length: int, 
         if len(c) < length:
             continue
         s = rng.randrange(len(c) - length + 1)
-        xs.append(torch.from_numpy(c[s:s + length].astype(np.int64)))
-        ys.append(torch.from_numpy(mel[:, s * fpt:(s + length) * fpt].astype(np.float32)))
+        xs.append(torch.from_numpy(c[s : s + length].astype(np.int64)))
+        ys.append(torch.from_numpy(mel[:, s * fpt : (s + length) * fpt].astype(np.float32)))
     return torch.stack(xs), torch.stack(ys)
 
 
 def decoder_l1(decoder: TokenDecoder, utts: list[Utterance], codes: list[np.ndarray]) -> float:
     """Mean held-out mel L1 of whole utterances."""
-    errs = [np.abs(decoder.decode(c) - u.mel.astype(np.float32)[:, :len(c) * decoder.config.frames_per_token]).mean()
-            for u, c in zip(utts, codes)]
+    errs = [
+        np.abs(
+            decoder.decode(c)
+            - u.mel.astype(np.float32)[:, : len(c) * decoder.config.frames_per_token]
+        ).mean()
+        for u, c in zip(utts, codes)
+    ]
     return float(np.mean(errs))
 
 
@@ -146,8 +174,13 @@ def train_decoder(cfg: RecipeConfig) -> None:
     fpt = cfg.frames_per_token
     centroids = torch.from_numpy(np.load(cfg.cache / "codebook.npy"))
     layers = tuple(ConvLayer(k, r) for k, r in cfg.decoder_layers)
-    dcfg = TokenDecoderConfig(codebook_size=cfg.codebook_size, num_mels=80, frames_per_token=fpt,
-                              channels=cfg.decoder_channels, layers=layers)
+    dcfg = TokenDecoderConfig(
+        codebook_size=cfg.codebook_size,
+        num_mels=80,
+        frames_per_token=fpt,
+        channels=cfg.decoder_channels,
+        layers=layers,
+    )
     decoder = TokenDecoder(dcfg)
     with torch.no_grad():
         decoder.codebook.copy_(centroids)
@@ -176,8 +209,10 @@ def train_decoder(cfg: RecipeConfig) -> None:
             decoder.eval()
             l1 = decoder_l1(decoder, hu, hc)
             decoder.train()
-            print(f"decoder step {step}: train {loss.item():.4f} held-out {l1:.4f} ({time.time() - t0:.0f} s)",
-                  flush=True)
+            print(
+                f"decoder step {step}: train {loss.item():.4f} held-out {l1:.4f} ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
             if l1 < best:
                 best = l1
                 save_token_decoder(decoder, out)
@@ -188,5 +223,7 @@ def train_decoder(cfg: RecipeConfig) -> None:
 def load_decoder(cfg: RecipeConfig) -> TokenDecoder:
     decoder = load_token_decoder(cfg.cache / "decoder")
     if decoder is None:
-        raise FileNotFoundError(f"no token decoder in {cfg.cache / 'decoder'}: run the decoder step")
+        raise FileNotFoundError(
+            f"no token decoder in {cfg.cache / 'decoder'}: run the decoder step"
+        )
     return decoder

@@ -31,6 +31,7 @@ def device_kind(name: str) -> str:
         return "npu"
     try:
         import pynvml
+
         pynvml.nvmlInit()
         return "cuda" if pynvml.nvmlDeviceGetCount() > 0 else "cpu"
     except Exception:  # noqa: BLE001 - no library, no driver or no GPU all mean no CUDA
@@ -43,12 +44,14 @@ def sources_for(kind: str) -> list[Source]:
     try:
         if kind == "npu":
             from servicekit.telemetry.npu_smi import NpuSmiSource
+
             if shutil.which("npu-smi") is None:
                 log.warning("no NPU gauges: npu-smi is not on PATH (mount it from the host)")
             else:
                 sources.append(NpuSmiSource())
         elif kind == "cuda":
             from servicekit.telemetry.nvml import NvmlSource
+
             sources.append(NvmlSource())
     except Exception as exc:  # noqa: BLE001 - telemetry must never stop a service
         log.warning("no %s device gauges: %s", kind, exc)
@@ -106,14 +109,16 @@ class DeviceCollector:
         for s in readings:
             family = families.get(s.name)
             if family is None:
-                family = families[s.name] = GaugeMetricFamily(s.name, s.help,
-                                                              labels=sorted(s.labels))
+                family = families[s.name] = GaugeMetricFamily(
+                    s.name, s.help, labels=sorted(s.labels)
+                )
             family.add_metric([s.labels[k] for k in sorted(s.labels)], s.value)
         return list(families.values())
 
 
-def start_device_metrics(device: str, registry: CollectorRegistry = REGISTRY,
-                         interval_s: float = DEFAULT_INTERVAL_S) -> DeviceCollector:
+def start_device_metrics(
+    device: str, registry: CollectorRegistry = REGISTRY, interval_s: float = DEFAULT_INTERVAL_S
+) -> DeviceCollector:
     """Register the gauges of the device named by a --device value ('auto', 'npu:0', 'cpu')."""
     kind = device_kind(device)
     collector = DeviceCollector(sources_for(kind), interval_s)

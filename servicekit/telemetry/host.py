@@ -7,9 +7,13 @@ from pathlib import Path
 
 from servicekit.telemetry.sample import Sample
 
-METRICS = ("splittts_device_cpu_cores", "splittts_device_cpu_cores_in_use",
-           "splittts_device_cpu_pressure_some_ratio", "splittts_device_memory_available_bytes",
-           "splittts_device_memory_total_bytes")
+METRICS = (
+    "splittts_device_cpu_cores",
+    "splittts_device_cpu_cores_in_use",
+    "splittts_device_cpu_pressure_some_ratio",
+    "splittts_device_memory_available_bytes",
+    "splittts_device_memory_total_bytes",
+)
 
 
 def parse_proc_stat(text: str) -> tuple[float, float]:
@@ -71,18 +75,31 @@ class HostSource:
             busy, total = parse_proc_stat(stat)
             if self._last is not None and total > self._last[1]:
                 share = (busy - self._last[0]) / (total - self._last[1])
-                out.append(Sample(METRICS[1], "Host CPU cores busy since the previous read.",
-                                  share * online))
+                out.append(
+                    Sample(
+                        METRICS[1], "Host CPU cores busy since the previous read.", share * online
+                    )
+                )
             self._last = (busy, total)
         pressure = self._read("pressure/cpu")
         some = parse_pressure(pressure) if pressure is not None else None
         if some is not None:
-            out.append(Sample(METRICS[2], "Share of the last 10 s some task waited for a CPU "
-                              "(/proc/pressure/cpu).", some))
+            out.append(
+                Sample(
+                    METRICS[2],
+                    "Share of the last 10 s some task waited for a CPU (/proc/pressure/cpu).",
+                    some,
+                )
+            )
         mem = parse_meminfo(self._read("meminfo") or "")
         if "MemAvailable" in mem:
-            out.append(Sample(METRICS[3], "Host memory available for new allocations.",
-                              float(mem["MemAvailable"])))
+            out.append(
+                Sample(
+                    METRICS[3],
+                    "Host memory available for new allocations.",
+                    float(mem["MemAvailable"]),
+                )
+            )
         if "MemTotal" in mem:
             out.append(Sample(METRICS[4], "Host memory in total.", float(mem["MemTotal"])))
         return out

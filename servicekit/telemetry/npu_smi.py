@@ -11,11 +11,19 @@ from servicekit.telemetry.sample import Sample
 
 log = logging.getLogger(__name__)
 
-METRICS = ("npu_chip_info_health_status", "npu_chip_info_temperature", "npu_chip_info_power",
-           "npu_chip_info_utilization", "npu_chip_info_hbm_used_memory",
-           "npu_chip_info_hbm_total_memory", "npu_chip_info_hbm_utilization",
-           "npu_chip_info_hbm_bandwidth_utilization", "npu_chip_info_used_memory",
-           "npu_chip_info_total_memory", "npu_chip_info_error_code")
+METRICS = (
+    "npu_chip_info_health_status",
+    "npu_chip_info_temperature",
+    "npu_chip_info_power",
+    "npu_chip_info_utilization",
+    "npu_chip_info_hbm_used_memory",
+    "npu_chip_info_hbm_total_memory",
+    "npu_chip_info_hbm_utilization",
+    "npu_chip_info_hbm_bandwidth_utilization",
+    "npu_chip_info_used_memory",
+    "npu_chip_info_total_memory",
+    "npu_chip_info_error_code",
+)
 HEALTHY = {"OK"}  # npu-smi also reports Warning, Alarm, Critical (and UNKNOWN when unreachable)
 
 _BUS_ID = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]$")
@@ -75,8 +83,12 @@ def parse_info(text: str) -> list[Chip]:
             continue
         if _BUS_ID.match(cells[1]) and top is not None:
             first, rest = top[0].split(), cells[2].split(maxsplit=1)
-            chip = Chip(npu=first[0], chip=cells[0].split()[0] if cells[0] else "0",
-                        name=" ".join(first[1:]), health=top[1])
+            chip = Chip(
+                npu=first[0],
+                chip=cells[0].split()[0] if cells[0] else "0",
+                name=" ".join(first[1:]),
+                health=top[1],
+            )
             values = top[2].split()
             chip.power_w = _number(values[0]) if values else None
             chip.temp_c = _number(values[1]) if len(values) > 1 else None
@@ -127,8 +139,11 @@ def samples(chips: list[Chip], usages: dict[tuple[str, str], dict[str, str]]) ->
             if value is not None:
                 out.append(Sample(name, help, value, labels))  # noqa: B023
 
-        add(METRICS[0], "1 when npu-smi reports the chip's health OK, else 0.",
-            1.0 if c.health in HEALTHY else 0.0)
+        add(
+            METRICS[0],
+            "1 when npu-smi reports the chip's health OK, else 0.",
+            1.0 if c.health in HEALTHY else 0.0,
+        )
         add(METRICS[1], "Chip temperature (C).", c.temp_c)
         add(METRICS[2], "Chip power draw (W).", c.power_w)
         add(METRICS[3], "AI Core utilisation (%).", c.aicore_pct)
@@ -143,8 +158,11 @@ def samples(chips: list[Chip], usages: dict[tuple[str, str], dict[str, str]]) ->
         fields = usages.get((c.npu, c.chip), {})
         add(METRICS[6], "HBM capacity in use (%).", _field(fields, "HBM Usage Rate(%)"))
         add(METRICS[7], "HBM bandwidth in use (%).", _field(fields, "HBM Bandwidth Usage Rate(%)"))
-        add(METRICS[10], "First error code npu-smi reports for the chip (0 = none).",
-            _error_code(fields.get("Error Code")))
+        add(
+            METRICS[10],
+            "First error code npu-smi reports for the chip (0 = none).",
+            _error_code(fields.get("Error Code")),
+        )
     return out
 
 
@@ -155,8 +173,13 @@ class NpuSmiSource:
         self.binary, self.timeout_s = binary, timeout_s
 
     def _run(self, *args: str) -> str:
-        return subprocess.run([self.binary, "info", *args], capture_output=True, text=True,
-                              timeout=self.timeout_s, check=True).stdout
+        return subprocess.run(
+            [self.binary, "info", *args],
+            capture_output=True,
+            text=True,
+            timeout=self.timeout_s,
+            check=True,
+        ).stdout
 
     def read(self) -> list[Sample]:
         """Gauges of every chip npu-smi lists; a failed per-chip query drops only its fields."""

@@ -9,9 +9,16 @@ from servicekit.telemetry.sample import Sample
 
 log = logging.getLogger(__name__)
 
-METRICS = ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
-           "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_POWER_USAGE",
-           "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_XID_ERRORS")
+METRICS = (
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_MEM_COPY_UTIL",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_XID_ERRORS",
+)
 _MIB = 1024 * 1024
 
 
@@ -72,12 +79,16 @@ class NvmlSource:
         self._drain_xids()
         out = []
         for i, (handle, labels) in enumerate(zip(self.handles, self.labels)):
+
             def add(name: str, help: str, value: float | None) -> None:  # this iteration only
                 if value is not None:
                     out.append(Sample(name, help, float(value), labels))  # noqa: B023
 
-            add(METRICS[0], "GPU temperature (C).",
-                self._optional(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU))
+            add(
+                METRICS[0],
+                "GPU temperature (C).",
+                self._optional(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+            )
             mem = self._optional(nvml.nvmlDeviceGetMemoryInfo, handle)
             if mem is not None:
                 add(METRICS[1], "Framebuffer memory used (MiB).", mem.used / _MIB)
@@ -88,11 +99,21 @@ class NvmlSource:
                 add(METRICS[4], "Memory utilisation (%).", util.memory)
             power = self._optional(nvml.nvmlDeviceGetPowerUsage, handle)
             add(METRICS[5], "Power draw (W).", None if power is None else power / 1000.0)
-            add(METRICS[6], "Uncorrectable (double-bit) ECC errors since the driver loaded.",
-                self._optional(nvml.nvmlDeviceGetTotalEccErrors, handle,
-                               nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC))
-            add(METRICS[7], "Value of the last XID error seen (0 = none since start).",
-                self.last_xid[i])
+            add(
+                METRICS[6],
+                "Uncorrectable (double-bit) ECC errors since the driver loaded.",
+                self._optional(
+                    nvml.nvmlDeviceGetTotalEccErrors,
+                    handle,
+                    nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                    nvml.NVML_VOLATILE_ECC,
+                ),
+            )
+            add(
+                METRICS[7],
+                "Value of the last XID error seen (0 = none since start).",
+                self.last_xid[i],
+            )
         return out
 
 

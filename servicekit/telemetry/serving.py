@@ -2,8 +2,11 @@
 
 from prometheus_client import Gauge
 
-SERVING = Gauge("splittts_service_serving",
-                "1 while the service's grpc.health.v1 status is SERVING, else 0.", ["service"])
+SERVING = Gauge(
+    "splittts_service_serving",
+    "1 while the service's grpc.health.v1 status is SERVING, else 0.",
+    ["service"],
+)
 
 
 def record_health(state: dict[str, bool]) -> None:

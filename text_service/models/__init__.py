@@ -1,4 +1,5 @@
 """Model classes by HF ``model_type`` and construction on a device."""
+
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -35,7 +36,10 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(
-    config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, max_positions: int | None = None
+    config,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_positions: int | None = None,
 ) -> CausalLM:
     """An unloaded model (parameters uninitialised) created directly on ``device`` in ``dtype``."""
     device = torch.device(device)
@@ -44,4 +48,11 @@ def build_model(
     return model.eval()
 
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "build_model", "get_model_class"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "CausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "build_model",
+    "get_model_class",
+]

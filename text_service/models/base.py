@@ -1,4 +1,5 @@
 """What every causal LM here shares: embeddings, LM head (tied or not), logits, cache layout."""
+
 from typing import Any
 
 import torch
@@ -60,11 +61,19 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> dict[int, PagedAttention]:
         """Layer index -> module that holds ``k_cache``/``v_cache`` (full-attention layers)."""
-        return {i: layer.self_attn.attn for i, layer in enumerate(self.model.layers) if hasattr(layer, "self_attn")}
+        return {
+            i: layer.self_attn.attn
+            for i, layer in enumerate(self.model.layers)
+            if hasattr(layer, "self_attn")
+        }
 
     def linear_attention_layers(self) -> dict[int, Any]:  # Gated DeltaNet mixers
         """Layer index -> module that holds ``conv_state``/``ssm_state`` (Gated DeltaNet layers)."""
-        return {i: layer.linear_attn for i, layer in enumerate(self.model.layers) if hasattr(layer, "linear_attn")}
+        return {
+            i: layer.linear_attn
+            for i, layer in enumerate(self.model.layers)
+            if hasattr(layer, "linear_attn")
+        }
 
     def kv_cache_specs(self) -> dict[int, KVCacheSpec]:
         """Layer index -> KV pool layout, for every full-attention layer."""
@@ -72,4 +81,6 @@ class CausalLM(nn.Module):
 
     def state_specs(self) -> dict[int, LinearStateSpec]:
         """Layer index -> state pool layout, for every linear-attention layer."""
-        return {i: mixer.state_spec(self.dtype) for i, mixer in self.linear_attention_layers().items()}
+        return {
+            i: mixer.state_spec(self.dtype) for i, mixer in self.linear_attention_layers().items()
+        }

@@ -73,8 +73,12 @@ def allocate_caches(
         attn.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
     for idx, mixer in model.linear_attention_layers().items():
         state = state_specs[idx]
-        mixer.conv_state = torch.zeros(state.conv_shape(num_slots), dtype=state.conv_dtype, device=device)
-        mixer.ssm_state = torch.zeros(state.ssm_shape(num_slots), dtype=state.ssm_dtype, device=device)
+        mixer.conv_state = torch.zeros(
+            state.conv_shape(num_slots), dtype=state.conv_dtype, device=device
+        )
+        mixer.ssm_state = torch.zeros(
+            state.ssm_shape(num_slots), dtype=state.ssm_dtype, device=device
+        )
 
 
 def copy_state_slots(model: CausalLM, src: list[int], dst: list[int]) -> None:

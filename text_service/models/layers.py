@@ -3,6 +3,7 @@
 Every parameter carries a ``weight_loader(param, tensor[, shard_id])`` so checkpoint tensors load
 by name, including the shards of fused projections.
 """
+
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,9 @@ from text_service.models.cache import KVCacheSpec
 def default_weight_loader(param: Tensor, loaded: Tensor) -> None:
     """Copy a checkpoint tensor of exactly the parameter's shape."""
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -51,7 +54,9 @@ class Linear(nn.Module):
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim (one matmul)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, ops) -> None:
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, *, ops
+    ) -> None:
         super().__init__(input_size, sum(output_sizes), bias, ops=ops)
         self.output_sizes = list(output_sizes)
         self.weight.weight_loader = self.shard_loader  # type: ignore[attr-defined]
@@ -113,7 +118,9 @@ class GatedMLP(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
         self.ops = ops
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], ops=ops)
+        self.gate_up_proj = MergedLinear(
+            hidden_size, [intermediate_size, intermediate_size], ops=ops
+        )
         self.down_proj = Linear(intermediate_size, hidden_size, ops=ops)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -123,10 +130,14 @@ class GatedMLP(nn.Module):
 class RotaryEmbedding:
     """NeoX rotary on the first ``rotary_dim`` dims of q and k, from a shared cos/sin table."""
 
-    def __init__(self, ops, rotary_dim: int, max_positions: int, base: float, device: torch.device) -> None:
+    def __init__(
+        self, ops, rotary_dim: int, max_positions: int, base: float, device: torch.device
+    ) -> None:
         self.ops = ops
         self.rotary_dim = rotary_dim
-        self.cos_sin_cache = kernels.rope_cache(rotary_dim, max_positions, base).to(device, torch.float32)
+        self.cos_sin_cache = kernels.rope_cache(rotary_dim, max_positions, base).to(
+            device, torch.float32
+        )
 
     def __call__(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return self.ops.rotary(positions, q, k, self.cos_sin_cache, self.rotary_dim)
@@ -141,7 +152,9 @@ def rope_settings(config, head_dim: int, partial: bool) -> tuple[int, float]:
     factor = params.get("partial_rotary_factor", 1.0) if partial else 1.0
     rotary_dim = int(head_dim * factor)
     if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary dim {rotary_dim} (head_dim {head_dim} x {factor}) must be positive and even")
+        raise ValueError(
+            f"rotary dim {rotary_dim} (head_dim {head_dim} x {factor}) must be positive and even"
+        )
     return rotary_dim, float(params["rope_theta"])
 
 
@@ -169,7 +182,9 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -181,21 +196,33 @@ class PagedAttention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> o [T, H, D]."""
         if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("KV caches are not attached: call models.cache.allocate_caches first")
+            raise RuntimeError(
+                "KV caches are not attached: call models.cache.allocate_caches first"
+            )
         ctx = get_context()
         ops, k_cache, v_cache, scale = self.ops, self.k_cache, self.v_cache, self.scale
         ops.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, all_valid=ctx.all_slots_valid)
 
         def decode(nd: int) -> Tensor:
             return ops.paged_attention_decode(
-                q[:nd], k_cache, v_cache, seq_lens=ctx.seq_lens[:nd], block_tables=ctx.block_tables[:nd], scale=scale,
+                q[:nd],
+                k_cache,
+                v_cache,
+                seq_lens=ctx.seq_lens[:nd],
+                block_tables=ctx.block_tables[:nd],
+                scale=scale,
                 seq_lens_list=ctx.decode_seq_lens_list,
             )
 
         def prefill(nd: int) -> Tensor:
             return ops.paged_attention(
-                q[nd:], k_cache, v_cache, query_start_loc=ctx.prefill_query_start_loc,
-                seq_lens=ctx.seq_lens[nd:], block_tables=ctx.block_tables[nd:], scale=scale,
+                q[nd:],
+                k_cache,
+                v_cache,
+                query_start_loc=ctx.prefill_query_start_loc,
+                seq_lens=ctx.seq_lens[nd:],
+                block_tables=ctx.block_tables[nd:],
+                scale=scale,
                 query_start_loc_list=ctx.prefill_query_start_loc_list,
                 seq_lens_list=ctx.prefill_seq_lens_list,
             )
@@ -216,7 +243,9 @@ class PreNormDecoderLayer(nn.Module):
     def mix(self, positions: Tensor, x: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, positions: Tensor, x: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:

@@ -1,4 +1,5 @@
 """Qwen3 dense model (``qwen3``): full attention with q/k RMSNorm, full rotary, dense MLP."""
+
 import torch
 from torch import Tensor, nn
 
@@ -34,7 +35,9 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=0.0, ops=ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=0.0, ops=ops)
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops
+        )
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         T, D = x.shape[0], self.head_dim
@@ -52,7 +55,9 @@ class Qwen3DecoderLayer(PreNormDecoderLayer):
         self.self_attn = Qwen3Attention(config, ops, rotary)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, offset=0.0, ops=ops
+        )
 
     def mix(self, positions: Tensor, x: Tensor) -> Tensor:
         return self.self_attn(positions, x)
@@ -69,16 +74,27 @@ class Qwen3ForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    def __init__(
+        self, config, device: torch.device | str = "cpu", max_positions: int | None = None
+    ) -> None:
+        layer_types = (
+            getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        )
         if getattr(config, "use_sliding_window", False) or set(layer_types) != {"full_attention"}:
-            raise ValueError("sliding-window attention layers are not supported: every layer must be full_attention")
+            raise ValueError(
+                "sliding-window attention layers are not supported: every layer must be full_attention"
+            )
         device = torch.device(device)
         ops = kernels.get_ops(device)
         super().__init__(config, ops)
         head_dim = head_dim_of(config)
         rotary_dim, base = rope_settings(config, head_dim, partial=False)
-        rotary = RotaryEmbedding(ops, rotary_dim, max_positions or config.max_position_embeddings, base, device)
+        rotary = RotaryEmbedding(
+            ops, rotary_dim, max_positions or config.max_position_embeddings, base, device
+        )
         self.model = DecoderModel(
-            config, [Qwen3DecoderLayer(config, ops, rotary) for _ in range(config.num_hidden_layers)],
-            norm_offset=0.0, ops=ops)
+            config,
+            [Qwen3DecoderLayer(config, ops, rotary) for _ in range(config.num_hidden_layers)],
+            norm_offset=0.0,
+            ops=ops,
+        )

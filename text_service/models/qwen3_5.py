@@ -1,4 +1,5 @@
 """Qwen3.5 text model (``qwen3_5_text``): Gated DeltaNet and gated full attention layers, dense MLP."""
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -47,7 +48,9 @@ class Qwen3_5Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0, ops=ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0, ops=ops)
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops
+        )
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         T, D = x.shape[0], self.head_dim
@@ -78,8 +81,12 @@ class CausalConv1d(nn.Module):
 
         def prefill(nd: int) -> Tensor:
             return ops.causal_conv1d(
-                x[nd:], weight, conv_state, query_start_loc=ctx.prefill_query_start_loc,
-                state_indices=ctx.state_indices[nd:], has_initial_state=ctx.has_initial_state[nd:],
+                x[nd:],
+                weight,
+                conv_state,
+                query_start_loc=ctx.prefill_query_start_loc,
+                state_indices=ctx.state_indices[nd:],
+                has_initial_state=ctx.has_initial_state[nd:],
             )
 
         return split_decode_prefill(ctx, decode, prefill)
@@ -117,12 +124,19 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def state_spec(self, dtype: torch.dtype) -> LinearStateSpec:
         return LinearStateSpec(
-            self.conv_dim, self.conv_kernel_size - 1, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype
+            self.conv_dim,
+            self.conv_kernel_size - 1,
+            self.num_v_heads,
+            self.head_k_dim,
+            self.head_v_dim,
+            dtype,
         )
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         if self.conv_state is None or self.ssm_state is None:
-            raise RuntimeError("linear-attention state pools are not attached: call models.cache.allocate_caches")
+            raise RuntimeError(
+                "linear-attention state pools are not attached: call models.cache.allocate_caches"
+            )
         ctx, ops = get_context(), self.ops
         T, Hv = x.shape[0], self.num_v_heads
         mixed_qkv, z, b, a = self.in_proj_qkvzba.split(self.in_proj_qkvzba(x))
@@ -141,15 +155,28 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
         def decode(nd: int) -> Tensor:
             return ops.recurrent_gated_delta_rule(
-                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
-                ssm_state=ssm_state, state_indices=ctx.state_indices[:nd], scale=scale,
+                q[:nd],
+                k[:nd],
+                v[:nd],
+                g[:nd],
+                beta[:nd],
+                ssm_state=ssm_state,
+                state_indices=ctx.state_indices[:nd],
+                scale=scale,
             )
 
         def prefill(nd: int) -> Tensor:
             return ops.chunk_gated_delta_rule(
-                q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_state=ssm_state,
-                query_start_loc=ctx.prefill_query_start_loc, state_indices=ctx.state_indices[nd:],
-                has_initial_state=ctx.has_initial_state[nd:], scale=scale,
+                q[nd:],
+                k[nd:],
+                v[nd:],
+                g[nd:],
+                beta[nd:],
+                ssm_state=ssm_state,
+                query_start_loc=ctx.prefill_query_start_loc,
+                state_indices=ctx.state_indices[nd:],
+                has_initial_state=ctx.has_initial_state[nd:],
+                scale=scale,
             )
 
         o = split_decode_prefill(ctx, decode, prefill)
@@ -167,7 +194,9 @@ class Qwen3_5DecoderLayer(PreNormDecoderLayer):
             self.self_attn = Qwen3_5Attention(config, ops, rotary)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, offset=1.0, ops=ops
+        )
 
     def mix(self, positions: Tensor, x: Tensor) -> Tensor:
         return self.linear_attn(positions, x) if self.is_linear else self.self_attn(positions, x)
@@ -191,15 +220,27 @@ class Qwen3_5ForCausalLM(CausalLM):
     checkpoint_renames = {"model.language_model.": "model."}
     ignored_checkpoint_prefixes = ("mtp.", "model.visual.")
 
-    def __init__(self, config, device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
+    def __init__(
+        self, config, device: torch.device | str = "cpu", max_positions: int | None = None
+    ) -> None:
         layer_types = list(config.layer_types)
         if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
-            raise ValueError(f"layer_types must list {config.num_hidden_layers} entries of {LAYER_TYPES}")
+            raise ValueError(
+                f"layer_types must list {config.num_hidden_layers} entries of {LAYER_TYPES}"
+            )
         device = torch.device(device)
         ops = kernels.get_ops(device)
         super().__init__(config, ops)
         rotary_dim, base = rope_settings(config, config.head_dim, partial=True)
-        rotary = RotaryEmbedding(ops, rotary_dim, max_positions or config.max_position_embeddings, base, device)
+        rotary = RotaryEmbedding(
+            ops, rotary_dim, max_positions or config.max_position_embeddings, base, device
+        )
         self.model = DecoderModel(
-            config, [Qwen3_5DecoderLayer(config, layer_type, ops, rotary) for layer_type in config.layer_types],
-            norm_offset=1.0, ops=ops)
+            config,
+            [
+                Qwen3_5DecoderLayer(config, layer_type, ops, rotary)
+                for layer_type in config.layer_types
+            ],
+            norm_offset=1.0,
+            ops=ops,
+        )
