@@ -17,6 +17,7 @@ import soundfile
 
 from orchestrator.launcher import LocalDeployment
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
+from tests.ffmpeg import ffmpeg_pcm
 from tests.procs import metric_value
 from tests.voices import make_tts_voice
 
@@ -61,30 +62,6 @@ def reference(deployment) -> bytes:
         pcm = b"".join(r.audio.audio for r in responses if r.HasField("audio"))
     assert len(pcm) > 2000
     return pcm
-
-
-def ffmpeg_pcm(blob: bytes, rate: int = 24000) -> bytes:
-    r = subprocess.run(
-        [
-            "ffmpeg",
-            "-v",
-            "error",
-            "-i",
-            "pipe:0",
-            "-f",
-            "s16le",
-            "-ac",
-            "1",
-            "-ar",
-            str(rate),
-            "pipe:1",
-        ],
-        input=blob,
-        capture_output=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr.decode()
-    return r.stdout
 
 
 def probe(blob: bytes) -> dict:

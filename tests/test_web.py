@@ -22,6 +22,7 @@ import pytest
 from orchestrator.launcher import LocalDeployment
 from splittts.text.v1 import text_pb2, text_pb2_grpc
 from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
+from tests.ffmpeg import ffmpeg_pcm
 from tests.procs import metric_value
 from tests.voices import make_tts_voice
 
@@ -259,32 +260,6 @@ def download_bytes(tab, fmt: str) -> tuple[bytes, str]:
         let s = ''; for (const x of b) s += String.fromCharCode(x);
         return {data: btoa(s), name: a.download}; }""")
     return base64.b64decode(got["data"]), got["name"]
-
-
-def ffmpeg_pcm(blob: bytes, rate: int) -> bytes:
-    import subprocess
-
-    r = subprocess.run(
-        [
-            "ffmpeg",
-            "-v",
-            "error",
-            "-i",
-            "pipe:0",
-            "-f",
-            "s16le",
-            "-ac",
-            "1",
-            "-ar",
-            str(rate),
-            "pipe:1",
-        ],
-        input=blob,
-        capture_output=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr.decode()
-    return r.stdout
 
 
 def test_download_in_every_format_holds_the_audio_heard(tab):
