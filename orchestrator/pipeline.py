@@ -152,7 +152,17 @@ class VocodeSession:
     async def write(self, message: vocoder_pb2.VocodeRequest) -> None:
         assert self.call is not None, "open() first"
         self.sent_at.append(time.perf_counter())
-        await self.call.write(message)
+        try:
+            await self.call.write(message)
+        except asyncio.InvalidStateError:
+            # The stream ended before this write (its replica failed or went away): the
+            # caller sees the stream's own status, as a read would have.
+            if not self.call.done():
+                raise
+            code, details = await self.call.code(), await self.call.details()
+            raise grpc.aio.AioRpcError(
+                code, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+            ) from None
 
     async def end(self) -> None:
         await self.write(vocoder_pb2.VocodeRequest(end_of_stream=True))

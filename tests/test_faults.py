@@ -4,13 +4,19 @@ go to the survivor, and the killed replica serves again once restarted on its po
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
 import pytest
 
 from orchestrator.launcher import Process, start_service
+from orchestrator.pipeline import Pipeline, VocodeSession
+from orchestrator.replicas import ReplicaPool
+from orchestrator.voices import VoiceSpec
+from servicekit.errors import StatusError
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
+from splittts.vocoder.v1 import vocoder_pb2
 from tests.procs import scrape, wait_until
 from tests.voices import make_tts_voice, speech_tokens_only
 
@@ -176,3 +182,32 @@ def test_vocoder_replica_killed_mid_stream(cluster, voice_dir):
     check_kill_and_recovery(
         cluster, voice_dir, "voc", "splittts_vocoder_active_streams", vocoder_replica
     )
+
+
+def test_write_after_the_vocoder_stream_ended_fails_with_its_status(voice_dir):
+    """The token feed can find the Vocode stream already ended by its replica's death (the read
+    side saw it first): that write fails with the stream's own status, UNAVAILABLE for the
+    caller, never a client-library state error reported as INTERNAL."""
+    replica = vocoder_replica(voice_dir, "voc-lone")
+
+    async def write_after_kill() -> StatusError:
+        pool = ReplicaPool([replica.address], "splittts.vocoder.v1.Vocoder")
+        session = VocodeSession(pool, VoiceSpec.load(voice_dir), "lone")
+        try:
+            await session.open()
+            replica.proc.kill()
+            replica.proc.wait()
+            assert session.call is not None
+            # the stream ends: UNAVAILABLE, or INTERNAL "Internal error from Core" when the
+            # client library's own send hit the dead connection first
+            assert await session.call.code() != grpc.StatusCode.OK
+            with pytest.raises(StatusError) as failed:
+                await Pipeline._to_vocoder(session, vocoder_pb2.VocodeRequest(flush=True))
+            return failed.value
+        finally:
+            session.close()
+            await pool.close()
+
+    error = asyncio.run(write_after_kill())
+    assert error.code == grpc.StatusCode.UNAVAILABLE, error
+    assert str(error).startswith("vocoder service") and replica.address not in str(error)
