@@ -203,3 +203,42 @@ def test_sessions_keep_no_memory_plan_per_input_shape(ort_backend):
 def test_stream_rejects_bad_shapes(ort_backend):
     with pytest.raises(ValueError, match=r"\[1, 80, frames\]"):
         ort_backend.run_stream(np.zeros((2, 80, 20), np.float32), None)
+
+
+def _snr_db(ref: np.ndarray, out: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((out - ref) ** 2), 1e-30)))
+
+
+def test_bf16_on_the_cpu_tracks_fp32_offline_and_streamed():
+    """bf16 runs the height-1 2-D form with channels-last weights laid out once; offline and
+    chunk-by-chunk streaming give the fp32 audio to within bf16's rounding."""
+    recorded = np.load(Path(__file__).parent / "fixtures" / "hifigan_universal_f20b853.npz")[
+        "audio"
+    ]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        backend = TorchBackend(bf16=True)
+        assert backend.dtype == torch.bfloat16
+        conv = backend.generator.conv_pre
+        assert conv.weight_2d.dtype == torch.bfloat16
+        assert conv.weight_2d.is_contiguous(memory_format=torch.channels_last)
+        mel = reference_mel()
+        offline = backend.run(mel)[0]
+        state, pieces, start = None, [], 0
+        for n, final in [(15, False), (1, False), (17, False), (7, True)]:
+            audio, state = backend.run_stream(mel[:, :, start : start + n], state, final)
+            pieces.append(audio)
+            start += n
+        streamed = np.concatenate(pieces)
+    finally:
+        torch.set_num_threads(before)
+    assert offline.shape == streamed.shape == recorded.shape
+    assert offline.dtype == streamed.dtype == np.float32
+    # 26 dB on this synthetic mel, 37 dB on the default voice's (bench/README.md); a wrong
+    # layout or state gives noise near 0 dB
+    assert _snr_db(recorded, offline) > 20, _snr_db(recorded, offline)
+    assert _snr_db(recorded, streamed) > 20, _snr_db(recorded, streamed)
+    assert _snr_db(offline, streamed) > 30, _snr_db(offline, streamed)
+    with pytest.raises(ValueError, match="one of fp16 and bf16"):
+        TorchBackend(fp16=True, bf16=True)

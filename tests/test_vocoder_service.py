@@ -307,15 +307,16 @@ def test_flush_emits_everything_received_and_keeps_the_stream_open(service):
 
 
 @pytest.mark.parametrize(
-    "flag,value,match",
+    "flags,match",
     [
-        ("--shared-chunk-frames", "0", "shared_chunk_frames must be >= 1"),
-        ("--max-batch-frames", "-5", "max_batch_frames must be >= 1"),
-        ("--max-first-batch", "-1", "max_first_batch must be >= 1"),
-        ("--first-chunk-frames", "0", "first_chunk_frames must be >= 1"),
+        (("--shared-chunk-frames", "0"), "shared_chunk_frames must be >= 1"),
+        (("--max-batch-frames", "-5"), "max_batch_frames must be >= 1"),
+        (("--max-first-batch", "-1"), "max_first_batch must be >= 1"),
+        (("--first-chunk-frames", "0"), "first_chunk_frames must be >= 1"),
+        (("--bf16",), "--bf16 runs on the torch backend"),
     ],
 )
-def test_bad_batching_flags_exit_2_with_one_line(voice_dir, flag, value, match):
+def test_bad_flags_exit_2_with_one_line(voice_dir, flags, match):
     import subprocess
     import sys
 
@@ -330,8 +331,7 @@ def test_bad_batching_flags_exit_2_with_one_line(voice_dir, flag, value, match):
             "0",
             "--metrics-port",
             "-1",
-            flag,
-            value,
+            *flags,
         ],
         capture_output=True,
         text=True,

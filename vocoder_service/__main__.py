@@ -39,7 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", choices=("onnx", "torch"), default="onnx")
     p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
-    p.add_argument("--fp16", action="store_true", help="run the generator in fp16 (GPU/NPU)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument(
+        "--fp16", action="store_true", help="run the generator in fp16 (GPU/NPU)"
+    )
+    precision.add_argument(
+        "--bf16",
+        action="store_true",
+        help="run the generator in bf16 (torch backend; on the CPU through oneDNN, fastest "
+        "where the CPU has AVX-512 BF16 or AMX)",
+    )
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
     p.add_argument(
         "--spin",
@@ -126,6 +135,8 @@ def load(args: argparse.Namespace):
             [DEFAULT_VOICE_DIR] if (DEFAULT_VOICE_DIR / "voice.json").is_file() else [None]
         )
         voices = [load_voice(d) for d in dirs]
+    if args.bf16 and args.backend != "torch":
+        raise ValueError("--bf16 runs on the torch backend: add --backend torch")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     retain_freed_memory()  # torch eager reuses its large buffers instead of faulting them in
@@ -143,7 +154,10 @@ def load(args: argparse.Namespace):
                 )
             else:
                 by_generator[key] = TorchBackend(
-                    voice.generator, fp16=args.fp16, device=select_device(args.device)
+                    voice.generator,
+                    fp16=args.fp16,
+                    bf16=args.bf16,
+                    device=select_device(args.device),
                 )
         backends[voice.name] = by_generator[key]
     return voices, backends

@@ -91,7 +91,11 @@ class Backend:
 
 
 class TorchBackend(Backend):
-    """The torch generator on any torch device, optionally in fp16."""
+    """The torch generator on any torch device, in fp32, fp16 or bf16.
+
+    On the CPU, bf16 runs the height-1 2-D form in channels-last layout (`Generator.channels_last`),
+    oneDNN's bf16 convolutions: on a CPU with AVX-512 BF16 or AMX the fastest generator here.
+    """
 
     name = "torch"
 
@@ -101,34 +105,46 @@ class TorchBackend(Backend):
         *,
         device: str | torch.device = "cpu",
         fp16: bool = False,
+        bf16: bool = False,
     ):
-        dtype = torch.float16 if fp16 else torch.float32
+        if fp16 and bf16:
+            raise ValueError("choose one of fp16 and bf16")
+        dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
         if not isinstance(generator, Generator):
             generator = load_generator(generator)
         self.generator = generator.remove_weight_norm().eval().to(device=device, dtype=dtype)
         self.config = generator.config
         self.dtype = dtype
         self._device = torch.device(device)
+        self._channels_last = bf16 and self._device.type == "cpu"
+        if self._channels_last:
+            self.generator.channels_last()
+        self._streamer = StreamingGenerator(self.generator)
 
     @property
     def device(self) -> str:
         return str(self._device)
 
+    def _input(self, mel: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """`[B, num_mels, frames]` as the height-1 2-D input `[B, num_mels, 1, frames]`."""
+        x = torch.as_tensor(mel).to(device=self._device, dtype=self.dtype).unsqueeze(2)
+        return x.contiguous(memory_format=torch.channels_last) if self._channels_last else x
+
     def run(self, mel: np.ndarray | torch.Tensor) -> np.ndarray:
         self._check(mel)
-        x = torch.as_tensor(mel).to(device=self._device, dtype=self.dtype)
         with torch.inference_mode():
-            audio = self.generator(x)[:, 0]
+            if self._channels_last:
+                audio = self.generator(self._input(mel))[:, 0, 0]
+            else:
+                x = torch.as_tensor(mel).to(device=self._device, dtype=self.dtype)
+                audio = self.generator(x)[:, 0]
         return audio.float().cpu().numpy()
 
     def run_stream(self, mel, state, final=False):
         if mel.ndim != 3 or mel.shape[:2] != (1, self.num_mels):
             raise ValueError(f"mel must be [1, {self.num_mels}, frames] (got {tuple(mel.shape)})")
         with torch.inference_mode():
-            if not hasattr(self, "_streamer"):
-                self._streamer = StreamingGenerator(self.generator)
-            x = torch.as_tensor(mel).to(device=self._device, dtype=self.dtype)
-            audio, state = self._streamer(x.unsqueeze(2), state, final)
+            audio, state = self._streamer(self._input(mel), state, final)
         return audio[0].float().cpu().numpy(), state
 
 
