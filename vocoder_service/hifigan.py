@@ -154,7 +154,7 @@ def conv_transpose(layer: nn.ConvTranspose1d, x: torch.Tensor, padding: int) -> 
     return F.conv_transpose2d(x, _weight_2d(layer), layer.bias, stride=(1, u), padding=(0, padding))
 
 
-def _weight_2d(layer: nn.Module) -> torch.Tensor:
+def _weight_2d(layer: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
     """A layer's weight for height-1 2-D inputs: laid out once by `Generator.channels_last`,
     else a view of the 1-D weight."""
     prepared = getattr(layer, "weight_2d", None)
