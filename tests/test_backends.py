@@ -210,8 +210,8 @@ def _snr_db(ref: np.ndarray, out: np.ndarray) -> float:
 
 
 def test_bf16_on_the_cpu_tracks_fp32_offline_and_streamed():
-    """bf16 runs the height-1 2-D form with channels-last weights laid out once; offline and
-    chunk-by-chunk streaming give the fp32 audio to within bf16's rounding."""
+    """bf16 runs the height-1 2-D form on weights packed once for oneDNN; offline and chunk by
+    chunk streaming give the fp32 audio to within bf16's rounding."""
     recorded = np.load(Path(__file__).parent / "fixtures" / "hifigan_universal_f20b853.npz")[
         "audio"
     ]
@@ -221,8 +221,7 @@ def test_bf16_on_the_cpu_tracks_fp32_offline_and_streamed():
         backend = TorchBackend(bf16=True)
         assert backend.dtype == torch.bfloat16
         conv = backend.generator.conv_pre
-        assert conv.weight_2d.dtype == torch.bfloat16
-        assert conv.weight_2d.is_contiguous(memory_format=torch.channels_last)
+        assert conv.weight.dtype == torch.bfloat16 and conv.packed_weight.is_mkldnn
         mel = reference_mel()
         offline = backend.run(mel)[0]
         state, pieces, start = None, [], 0

@@ -93,8 +93,9 @@ class Backend:
 class TorchBackend(Backend):
     """The torch generator on any torch device, in fp32, fp16 or bf16.
 
-    On the CPU, bf16 runs the height-1 2-D form in channels-last layout (`Generator.channels_last`),
-    oneDNN's bf16 convolutions: on a CPU with AVX-512 BF16 or AMX the fastest generator here.
+    On the CPU, bf16 runs the height-1 2-D form in channels-last layout on weights packed once
+    for oneDNN (`Generator.pack_for_onednn`): on a CPU with AVX-512 BF16 or AMX the fastest
+    generator here.
     """
 
     name = "torch"
@@ -118,7 +119,7 @@ class TorchBackend(Backend):
         self._device = torch.device(device)
         self._channels_last = bf16 and self._device.type == "cpu"
         if self._channels_last:
-            self.generator.channels_last()
+            self.generator.pack_for_onednn()
         self._streamer = StreamingGenerator(self.generator)
 
     @property

@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from kernels import onednn_conv
+
 LRELU_SLOPE = 0.1
 EDGE_KERNEL = 7  # conv_pre and conv_post
 _REQUIRED = (
@@ -143,7 +145,10 @@ def conv(layer: nn.Conv1d, x: torch.Tensor, padding: int) -> torch.Tensor:
     w, d = layer.weight, layer.dilation[-1]
     if x.dim() == 3:
         return F.conv1d(x, w, layer.bias, padding=padding, dilation=d)
-    return F.conv2d(x, _weight_2d(layer), layer.bias, padding=(0, padding), dilation=(1, d))
+    packed = getattr(layer, "packed_weight", None)
+    if packed is not None:
+        return onednn_conv.conv2d(x, packed, layer.bias, padding, d)
+    return F.conv2d(x, w.unsqueeze(2), layer.bias, padding=(0, padding), dilation=(1, d))
 
 
 def conv_transpose(layer: nn.ConvTranspose1d, x: torch.Tensor, padding: int) -> torch.Tensor:
@@ -151,14 +156,10 @@ def conv_transpose(layer: nn.ConvTranspose1d, x: torch.Tensor, padding: int) -> 
     w, u = layer.weight, layer.stride[-1]
     if x.dim() == 3:
         return F.conv_transpose1d(x, w, layer.bias, stride=u, padding=padding)
-    return F.conv_transpose2d(x, _weight_2d(layer), layer.bias, stride=(1, u), padding=(0, padding))
-
-
-def _weight_2d(layer: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
-    """A layer's weight for height-1 2-D inputs: laid out once by `Generator.channels_last`,
-    else a view of the 1-D weight."""
-    prepared = getattr(layer, "weight_2d", None)
-    return prepared if prepared is not None else layer.weight.unsqueeze(2)
+    packed = getattr(layer, "packed_weight", None)
+    if packed is not None:
+        return onednn_conv.conv_transpose2d(x, packed, layer.bias, padding, u)
+    return F.conv_transpose2d(x, w.unsqueeze(2), layer.bias, stride=(1, u), padding=(0, padding))
 
 
 def padding_of(layer: nn.Module) -> int:
@@ -295,18 +296,20 @@ class Generator(nn.Module):
                 parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
         return self
 
-    def channels_last(self) -> Generator:
-        """Keep every convolution's weight as a height-1 2-D kernel in channels-last layout, for
-        `[B, C, 1, T]` inputs in the same layout: oneDNN's fastest CPU path in bf16 (1.8x
-        ONNX Runtime's fp32 on the project's AVX-512 BF16 CPU, see bench/README.md). Call after
-        `remove_weight_norm` and the final `.to(dtype)`; 1-D inputs keep the plain weights."""
+    def pack_for_onednn(self) -> Generator:
+        """Pack every convolution's weight once into oneDNN's layout for `[B, C, 1, T]` inputs
+        (best in channels-last layout): a plain 2-D conv re-blocks its weight on every call,
+        which on short streaming chunks costs more than the convolution (`kernels.onednn_conv`).
+        CPU only; call after `remove_weight_norm` and the final `.to(dtype)`. 1-D inputs keep
+        the plain weights; the packed ones are not part of the state dict."""
         for m in self.modules():
-            if isinstance(m, nn.Conv1d | nn.ConvTranspose1d):
-                kernel = m.weight.detach().unsqueeze(2)
-                m.register_buffer(
-                    "weight_2d",
-                    kernel.contiguous(memory_format=torch.channels_last),
-                    persistent=False,
+            if isinstance(m, nn.Conv1d):
+                m.packed_weight = onednn_conv.pack_conv_weight(
+                    m.weight.unsqueeze(2), m.dilation[-1]
+                )
+            elif isinstance(m, nn.ConvTranspose1d):
+                m.packed_weight = onednn_conv.pack_conv_transpose_weight(
+                    m.weight.unsqueeze(2), m.stride[-1]
                 )
         return self
 

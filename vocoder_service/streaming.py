@@ -133,7 +133,16 @@ def initial_state(
 
 
 def _zeros(like: Tensor, length: int) -> Tensor:
-    return like.new_zeros(*like.shape[:-1], length)
+    """Zeros shaped like `like` but `length` long, in its memory layout: joining tensors of two
+    layouts costs a copy at every layer."""
+    zeros = like.new_zeros(*like.shape[:-1], length)
+    if (
+        like.dim() == 4
+        and not like.is_contiguous()
+        and like.is_contiguous(memory_format=torch.channels_last)
+    ):
+        return zeros.contiguous(memory_format=torch.channels_last)
+    return zeros
 
 
 def _tail(x: Tensor, n: int) -> Tensor:
