@@ -4,6 +4,7 @@ against a co-located one (both services in one process sharing the cores).
 
     python bench/e2e.py --quick          # under 3 minutes on 2 cores
     python bench/e2e.py --json           # one JSON object on stdout
+    python bench/e2e.py --layouts --quick   # vocoder precision and core layout, side by side
 """
 
 from __future__ import annotations
@@ -84,13 +85,32 @@ def serve_colocated(args) -> None:
     asyncio.run(main())
 
 
+# How a split deployment shares the machine's two cores (`--layouts` measures each in turn):
+# the vocoder's flags, and whether each service is pinned (text service and orchestrator on
+# core 0, vocoder on core 1) or all float over both.
+LAYOUTS: dict[str, tuple[list[str], bool]] = {
+    "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], True),
+    "bf16 torch, pinned": (["--backend", "torch", "--bf16", "--threads", "1"], True),
+    "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], False),
+}
+
+
 class Deployment:
     """Start a split or co-located set of processes; `address` is the orchestrator's."""
 
-    def __init__(self, voice_dir: Path, mode: str, http: bool = False):
+    def __init__(
+        self,
+        voice_dir: Path,
+        mode: str,
+        http: bool = False,
+        vocoder_args: list[str] | None = None,
+        pinned: bool = True,
+    ):
         self.voice_dir, self.mode, self.procs = voice_dir, mode, []
         self.http = http  # the orchestrator's HTTP port (web demo, /v1) on a free port
         self.http_port: int | None = None
+        self.vocoder_args = vocoder_args if vocoder_args is not None else ["--threads", "1"]
+        self.pinned = pinned
 
     def __enter__(self):
         from orchestrator.launcher import start_service
@@ -108,13 +128,13 @@ class Deployment:
                         "--kv-cache-memory",
                         "256MiB",
                     ],
-                    cpus={0},
+                    cpus={0} if self.pinned else None,
                 )
                 voc = start_service(
                     "vocoder",
                     "vocoder_service",
-                    ["--voice", str(self.voice_dir), "--threads", "1"],
-                    cpus={1},
+                    ["--voice", str(self.voice_dir), *self.vocoder_args],
+                    cpus={1} if self.pinned else None,
                 )
                 self.procs += [text, voc]
                 text_addr, voc_addr = text.address, voc.address
@@ -140,7 +160,7 @@ class Deployment:
                     "--http-port",
                     "0" if self.http else "-1",
                 ],
-                cpus={0} if self.mode == "split" else None,
+                cpus={0} if self.mode == "split" and self.pinned else None,
             )
             self.procs.append(orch)
             self.address, self.http_port = orch.address, orch.http_port
@@ -168,6 +188,44 @@ def pick_voice(arg: str | None) -> tuple[Path, str]:
     return make_tts_voice(tmp, max_tokens=96), "random tiny model (no default voice yet)"
 
 
+def _pressure() -> str:
+    return Path("/proc/pressure/cpu").read_text().splitlines()[0]
+
+
+def real_time_streams(levels: list[dict], max_rtf: float = 0.9) -> int:
+    """The highest concurrency measured at which every stream ran at RTF <= max_rtf with no
+    underrun and no error (0 when even one stream did not)."""
+    ok = [
+        lv["concurrency"]
+        for lv in levels
+        if lv["rtf_max"] <= max_rtf and lv["underruns"] == 0 and not lv["errors"]
+    ]
+    return max(ok, default=0)
+
+
+def compare_layouts(voice_dir: Path, n1: int, n4: int, n8: int) -> dict:
+    from orchestrator.bench import run_level
+
+    keys = ("ttfa_p50_ms", "ttfa_p95_ms", "rtf_mean", "rtf_max", "underruns", "audio_s_per_wall_s")
+    result = {}
+    for name, (vocoder_args, pinned) in LAYOUTS.items():
+        print(f"layout: {name}", file=sys.stderr, flush=True)
+        with Deployment(voice_dir, "split", vocoder_args=vocoder_args, pinned=pinned) as d:
+            run_level(d.address, 1, 2)  # warm-up
+            plan = ((1, n1), (2, n1), (4, n4), (8, n8))
+            levels = [run_level(d.address, c, n) for c, n in plan]
+        result[name] = {
+            "levels": [
+                {"concurrency": lv["concurrency"], "errors": len(lv["errors"])}
+                | {k: lv[k] for k in keys}
+                for lv in levels
+            ],
+            "real_time_streams": real_time_streams(levels),
+        }
+        print(json.dumps(result[name]), file=sys.stderr, flush=True)
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -175,6 +233,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--voice", help="voice directory (default: voices/default, else a random model)")
+    p.add_argument(
+        "--layouts",
+        action="store_true",
+        help="instead: each vocoder precision and core layout of the split deployment in turn "
+        "(LAYOUTS), and the most streams each serves in real time",
+    )
     p.add_argument("--serve-colocated", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -199,6 +263,13 @@ def main() -> int:
         "cpus": os.cpu_count(),
     }
     started = time.perf_counter()
+    if args.layouts:
+        out["pressure_cpu_start"] = _pressure()
+        out["layouts"] = compare_layouts(voice_dir, n1, n4, n8)
+        out["pressure_cpu_end"] = _pressure()
+        out["wall_s"] = time.perf_counter() - started
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        return 0
     with Deployment(voice_dir, "split") as d:
         run_level(d.address, 1, 2)  # warm-up
         c1 = run_level(d.address, 1, n1)

@@ -95,6 +95,7 @@ def run_level(
         "ttfa_p99_ms": percentile(ttfa, 99),
         "ttft_p50_ms": percentile([r.ttft_ms for r in reports], 50),
         "rtf_mean": statistics.fmean([r.rtf for r in reports]) if reports else 0.0,
+        "rtf_max": max((r.rtf for r in reports), default=0.0),
         "underruns": sum(r.underruns for r in reports),
         "audio_s_per_wall_s": audio / wall if wall else 0.0,
         "hop_overhead_ms": {k: statistics.fmean(v) for k, v in hops.items() if v},

@@ -11,7 +11,8 @@ import pytest
 from orchestrator.launcher import LocalDeployment
 from orchestrator.voices import VOICES_DIR
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
-from vocoder_service.backends import OnnxBackend
+from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
+from vocoder_service.backends import OnnxBackend, TorchBackend
 from vocoder_service.voice import load_voice
 
 VOICE = VOICES_DIR / "default"
@@ -56,8 +57,9 @@ def test_seeded_synthesis_is_reproducible(deployment):
     c, _ = synthesize(deployment.address, SENTENCE, seed=12, temperature=0.8)
     assert report.audio_s > 1.0 and report.num_speech_tokens > 40
     # Same seed, same tokens; chunk boundaries follow token arrival times, so the vocoder's
-    # windows (and float rounding) may differ by a last bit: compare as audio, not bytes.
-    assert len(a) == len(b) and snr_db(a, b) >= 60.0
+    # rounding may differ (about 50 dB apart in bf16, the default on a CPU that computes it
+    # natively; a last bit in fp32): compare as audio, not bytes.
+    assert len(a) == len(b) and snr_db(a, b) >= 40.0
     assert len(a) != len(c) or snr_db(a, c) < 20.0
 
 
@@ -106,11 +108,18 @@ def test_stream_equals_offline_vocoding(deployment):
     codes = np.array([t - lo for t in ids if lo <= t <= hi])
     assert len(codes) == report.num_speech_tokens
     voice = load_voice(VOICE)
-    offline = OnnxBackend(voice.generator, intra_op_threads=1).run(
-        voice.token_decoder.decode(codes)[None]
-    )[0]
+    with grpc.insecure_channel(deployment.by_name("vocoder-service").address) as ch:
+        info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(vocoder_pb2.GetInfoRequest(), timeout=10)
+    # offline in the precision the service runs (bf16 on a CPU that computes it natively)
+    backend = (
+        TorchBackend(voice.generator, bf16=True)
+        if info.precision == "bf16"
+        else OnnxBackend(voice.generator, intra_op_threads=1)
+    )
+    offline = backend.run(voice.token_decoder.decode(codes)[None])[0]
     assert len(offline) == len(audio)
     snr = 10 * np.log10(np.sum(offline**2) / max(np.sum((offline - audio) ** 2), 1e-20))
+    print(f"streamed against offline {info.precision}: {snr:.1f} dB")
     assert snr >= 40.0
 
 

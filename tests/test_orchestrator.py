@@ -33,6 +33,8 @@ def deployment(voice_dir):
         threads={"text": 1, "vocoder": 1},
         metrics_ports=(0, 0, 0),
         text_args=["--log-level", "info"],
+        # synthesis is compared with offline fp32 vocoding of the same tokens
+        vocoder_args=["--backend", "onnx"],
     )
     local.start()
     yield local

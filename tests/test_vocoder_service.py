@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from tests.procs import ROOT, ServiceProcess, metric_value
 from tests.voices import make_random_voice
-from vocoder_service.backends import OnnxBackend
+from vocoder_service.backends import OnnxBackend, native_bf16_cpu
 from vocoder_service.checkpoint import resolve_checkpoint
 from vocoder_service.client import mel_requests, token_requests, vocode
 from vocoder_service.mel import MelSpectrogram
@@ -40,6 +40,8 @@ def service(voice_dir, tmp_path_factory):
         "vocoder_service",
         "--voice",
         str(voice_dir),
+        "--backend",
+        "onnx",  # streaming's exact arithmetic is checked in fp32; the default has its own test
         "--threads",
         "1",
         "--max-streams",
@@ -82,7 +84,35 @@ def test_health_reflection_and_info(service, voice_dir):
         info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
     assert [v.name for v in info.voices] == ["testvoice"]
     assert info.voices[0].codebook_size == 64 and info.voices[0].frames_per_token == 2
-    assert info.backend == "onnxruntime" and info.receptive_field_frames >= 10
+    assert info.backend == "onnxruntime" and info.precision == "fp32"
+    assert info.receptive_field_frames >= 10
+
+
+def test_default_backend_follows_the_cpu(voice_dir, tmp_path, speech_mel, offline_backend):
+    """With no --backend the service picks by the CPU: torch in bf16 where it computes bf16
+    natively, else ONNX Runtime in fp32; either way its audio is the fp32 audio to within
+    bf16's rounding."""
+    proc = ServiceProcess(
+        "vocoder_service",
+        "--voice",
+        str(voice_dir),
+        "--threads",
+        "1",
+        env={"SPLITTTS_CACHE": str(tmp_path)},
+    )
+    try:
+        with proc.channel() as ch:
+            info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
+            result = vocode(ch, mel_requests(speech_mel, 3))
+    finally:
+        assert proc.stop() == 0
+    expected = ("torch", "bf16") if native_bf16_cpu() else ("onnxruntime", "fp32")
+    assert (info.backend, info.precision) == expected
+    offline = offline_backend.run(speech_mel[None])[0]
+    assert len(result.audio) == len(offline) == speech_mel.shape[1] * 256
+    # bf16 gives 24 dB here and 37 dB on the default voice's mels; its WER and DNSMOS equal
+    # fp32's on the natural held-out set (bench/README.md). A broken path gives noise, near 0 dB.
+    assert snr_db(offline, result.audio) >= 18.0
 
 
 @pytest.mark.parametrize("chunk_frames", [1, 3, 1000])
@@ -313,7 +343,7 @@ def test_flush_emits_everything_received_and_keeps_the_stream_open(service):
         (("--max-batch-frames", "-5"), "max_batch_frames must be >= 1"),
         (("--max-first-batch", "-1"), "max_first_batch must be >= 1"),
         (("--first-chunk-frames", "0"), "first_chunk_frames must be >= 1"),
-        (("--bf16",), "--bf16 runs on the torch backend"),
+        (("--backend", "onnx", "--bf16"), "--bf16 runs on the torch backend"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(voice_dir, flags, match):

@@ -37,7 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a HiFi-GAN generator checkpoint (file or folder) to "
         "serve as a mel-only voice instead of --voice",
     )
-    p.add_argument("--backend", choices=("onnx", "torch"), default="onnx")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "onnx", "torch"),
+        default="auto",
+        help="auto: torch in bf16 on a CPU with native bf16 (AVX-512 BF16 or AMX), else "
+        "ONNX Runtime (fp16 on CUDA); torch in fp16 on an NPU",
+    )
     p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
     precision = p.add_mutually_exclusive_group()
     precision.add_argument(
@@ -123,7 +129,7 @@ def load(args: argparse.Namespace):
 
     from servicekit.device import select_device
     from servicekit.memory import retain_freed_memory
-    from vocoder_service.backends import Backend, OnnxBackend, TorchBackend
+    from vocoder_service.backends import Backend, OnnxBackend, TorchBackend, auto_backend
     from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import VocoderVoice, load_voice
 
@@ -135,8 +141,16 @@ def load(args: argparse.Namespace):
             [DEFAULT_VOICE_DIR] if (DEFAULT_VOICE_DIR / "voice.json").is_file() else [None]
         )
         voices = [load_voice(d) for d in dirs]
-    if args.bf16 and args.backend != "torch":
-        raise ValueError("--bf16 runs on the torch backend: add --backend torch")
+    if args.bf16 and args.backend == "onnx":
+        raise ValueError("--bf16 runs on the torch backend: use --backend torch or auto")
+    device = select_device(args.device)
+    kind, precision = args.backend, "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    if kind == "auto":
+        kind, auto_precision = auto_backend(device)
+        if args.bf16:
+            kind = "torch"
+        elif not args.fp16:
+            precision = auto_precision
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     retain_freed_memory()  # torch eager reuses its large buffers instead of faulting them in
@@ -145,19 +159,19 @@ def load(args: argparse.Namespace):
     for voice in voices:
         key = voice.generator.fingerprint
         if key not in by_generator:
-            if args.backend == "onnx":
+            if kind == "onnx":
                 by_generator[key] = OnnxBackend(
                     voice.generator,
                     intra_op_threads=args.threads,
-                    fp16=args.fp16 or None,
+                    fp16=True if precision == "fp16" else None,
                     allow_spinning=args.spin,
                 )
             else:
                 by_generator[key] = TorchBackend(
                     voice.generator,
-                    fp16=args.fp16,
-                    bf16=args.bf16,
-                    device=select_device(args.device),
+                    fp16=precision == "fp16",
+                    bf16=precision == "bf16",
+                    device=device,
                 )
         backends[voice.name] = by_generator[key]
     return voices, backends

@@ -154,6 +154,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             ],
             backend=backend.name,
             device=backend.device,
+            precision=backend.precision,
             active_streams=self.active_streams,
             max_streams=self.limits.max_streams,
             receptive_field_frames=max(backend.receptive_field),

@@ -1,0 +1,144 @@
+"""Judge a cheaper vocoder by what listeners get, not by SNR: the bundled voice's WER and DNSMOS
+on the natural held-out English set (Debian `fortunes`, a source the training never reads),
+with the same speech codes vocoded by each generator precision, side by side.
+
+    python -m recipes.default_voice.vocoder_precision [--voice voices/default] [--count 100]
+
+Each sentence goes through the deployed decoding once (espeak-ng phonemes, the voice's LM with
+its phoneme-synchronous plan, greedy); its codes go through the voice's token decoder once; only
+the generator differs: ONNX Runtime fp32 (the service's default) and torch bf16 (`--bf16
+--backend torch`), each streamed chunk by chunk as the service runs it on a CPU. Also printed:
+each generator's CPU seconds per audio second on one thread, measured in the same run,
+alternating which goes first. One JSON object on stdout; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from recipes.default_voice.config import RecipeConfig
+from recipes.default_voice.data import ESPEAK_VOICES, espeak_phonemes
+from recipes.default_voice.evaluate import to16k
+from recipes.default_voice.lm import split_stream
+from recipes.default_voice.metrics import Recognizer, dnsmos, word_errors, write_arpa
+from recipes.default_voice.natural import english_held_out
+from recipes.default_voice.synth import CANDIDATES, decode
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOYED = "vote, cap 8, at least half the predicted duration"
+
+
+def _log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def generators(voice_dir: Path) -> dict:
+    from vocoder_service.backends import OnnxBackend, TorchBackend
+    from vocoder_service.voice import load_voice
+
+    voice = load_voice(voice_dir)
+    return {
+        "voice": voice,
+        "fp32 (onnxruntime)": OnnxBackend(voice.generator, intra_op_threads=1),
+        "bf16 (torch, oneDNN)": TorchBackend(voice.generator, bf16=True),
+    }
+
+
+def streamed(backend, mel: np.ndarray, chunk: int = 32) -> np.ndarray:
+    """The service's CPU path: the stateful generator, a first chunk just long enough to get
+    through every layer, then `chunk` frames a call, then the final call."""
+    sizes = [backend.receptive_field[1] + 1]
+    while sum(sizes) < mel.shape[-1]:
+        sizes.append(chunk)
+    state, pieces, start = None, [], 0
+    for n in sizes:
+        part = np.ascontiguousarray(mel[:, :, start : start + n])
+        start += n
+        audio, state = backend.run_stream(part, state, final=start >= mel.shape[-1])
+        pieces.append(audio)
+    return np.concatenate(pieces)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
+    p.add_argument("--count", type=int, default=100, help="held-out sentences")
+    args = p.parse_args()
+
+    import torch
+
+    from servicekit.memory import retain_freed_memory
+
+    torch.set_num_threads(1)
+    retain_freed_memory()
+    cfg = dataclasses.replace(RecipeConfig(), threads=1)
+    texts = english_held_out(args.count, seed=cfg.seed)
+    phonemes = [espeak_phonemes(t, ESPEAK_VOICES["en"]) for t in texts]
+    decoding = next(c for c in CANDIDATES if c.name == DEPLOYED)
+    started = time.perf_counter()
+    streams = decode(
+        cfg,
+        args.voice / "lm",
+        phonemes,
+        decoding,
+        predictor=args.voice / "durations" / "duration_predictor.safetensors",
+    )
+    _log(f"decoded {len(texts)} sentences in {time.perf_counter() - started:.0f} s")
+    tools = generators(args.voice)
+    decoder = tools.pop("voice").token_decoder
+    mels = []
+    for stream in streams:
+        codes = split_stream(stream)[1] or [0, 0]
+        mels.append(decoder.decode(np.asarray(codes, dtype=np.int64))[None].astype(np.float32))
+    audio_s = sum(m.shape[-1] for m in mels) * 256 / 22050
+
+    with tempfile.TemporaryDirectory() as tmp:
+        arpa = Path(tmp) / "held_out.arpa"
+        write_arpa(texts, arpa)
+        asr = Recognizer(arpa)
+        rows: dict[str, dict] = {
+            name: {"cpu_s": 0.0, "errors": 0, "words": 0, "dnsmos": []} for name in tools
+        }
+        for k, (text, mel) in enumerate(zip(texts, mels)):
+            order = list(tools) if k % 2 == 0 else list(tools)[::-1]  # alternate who goes first
+            for name in order:
+                cpu = time.process_time()
+                wav = streamed(tools[name], mel)
+                rows[name]["cpu_s"] += time.process_time() - cpu
+                a16 = to16k(wav)
+                errors, words = word_errors(text, asr(a16))
+                rows[name]["errors"] += errors
+                rows[name]["words"] += words
+                rows[name]["dnsmos"].append(dnsmos(a16))
+            if (k + 1) % 20 == 0:
+                _log(f"{k + 1}/{len(texts)} scored")
+    result = {
+        "set": "en_natural (Debian fortunes)",
+        "sentences": len(texts),
+        "audio_s": round(audio_s, 1),
+        "decoding": DEPLOYED,
+        "pressure_cpu": Path("/proc/pressure/cpu").read_text().splitlines()[0],
+        "generators": {
+            name: {
+                "wer": r["errors"] / max(1, r["words"]),
+                "dnsmos": float(np.mean(r["dnsmos"])),
+                "cpu_s_per_audio_s": r["cpu_s"] / audio_s,
+            }
+            for name, r in rows.items()
+        },
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
