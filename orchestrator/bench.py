@@ -31,16 +31,40 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def one_request(stub, text: str, voice: str, seed: int) -> pb.LatencyReport:
+# A listener's jitter buffer: playback starts this long after the first audio arrives. The
+# report counts underruns with none; the capacity goal allows this much.
+CLIENT_BUFFER_MS = 150.0
+
+
+def one_request(
+    stub, text: str, voice: str, seed: int, arrivals: list[tuple[float, float]] | None = None
+) -> pb.LatencyReport:
+    """One Synthesize call; `arrivals` collects (arrival time, seconds of audio) per chunk."""
     req = pb.SynthesizeRequest(text=text, voice=voice)
     req.sampling.seed = seed
     report = None
     for resp in stub.Synthesize(req, timeout=600):
+        if resp.HasField("audio") and arrivals is not None:
+            arrivals.append((time.perf_counter(), resp.audio.duration_s))
         if resp.HasField("report"):
             report = resp.report
     if report is None:
         raise RuntimeError("the stream ended without its LatencyReport")
     return report
+
+
+def late_chunks(arrivals: list[tuple[float, float]], buffer_ms: float) -> int:
+    """Chunks the client received after its listener had played everything before them, when
+    playback starts `buffer_ms` after the first audio and then runs in real time: the report's
+    underrun count, on the client's clock and with a jitter buffer."""
+    if not arrivals:
+        return 0
+    start = arrivals[0][0] + buffer_ms / 1e3
+    late, played = 0, 0.0
+    for arrived, seconds in arrivals:
+        late += arrived > start + played
+        played += seconds
+    return late
 
 
 def run_level(
@@ -53,6 +77,7 @@ def run_level(
     """`requests` syntheses, `concurrency` at a time; figures from the LatencyReports."""
     sentences = sentences or SENTENCES
     reports: list[pb.LatencyReport] = []
+    arrivals: list[list[tuple[float, float]]] = []
     errors: list[str] = []
     lock = threading.Lock()
     counter = iter(range(requests))
@@ -66,9 +91,11 @@ def run_level(
                 if i is None:
                     return
                 try:
-                    r = one_request(stub, sentences[i % len(sentences)], voice, i)
+                    chunks: list[tuple[float, float]] = []
+                    r = one_request(stub, sentences[i % len(sentences)], voice, i, chunks)
                     with lock:
                         reports.append(r)
+                        arrivals.append(chunks)
                 except grpc.RpcError as exc:
                     with lock:
                         errors.append(f"{exc.code().name}: {exc.details()}")
@@ -97,6 +124,9 @@ def run_level(
         "rtf_mean": statistics.fmean([r.rtf for r in reports]) if reports else 0.0,
         "rtf_max": max((r.rtf for r in reports), default=0.0),
         "underruns": sum(r.underruns for r in reports),
+        # on the client's clock: with no jitter buffer, and with CLIENT_BUFFER_MS of one
+        "underruns_client": sum(late_chunks(a, 0.0) for a in arrivals),
+        "underruns_client_buffered": sum(late_chunks(a, CLIENT_BUFFER_MS) for a in arrivals),
         "audio_s_per_wall_s": audio / wall if wall else 0.0,
         "hop_overhead_ms": {k: statistics.fmean(v) for k, v in hops.items() if v},
         "wall_s": wall,
