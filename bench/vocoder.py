@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from servicekit.memory import retain_freed_memory
+from servicekit.memory import keep_onednn_primitives, retain_freed_memory
 from vocoder_service.backends import Backend, OnnxBackend, TorchBackend
 from vocoder_service.checkpoint import resolve_checkpoint
 from vocoder_service.chunking import ChunkPolicy
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     reps = 3 if args.quick else 5
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as vocoder-service does: torch is not timed paying page faults
+    keep_onednn_primitives()
     policy = ChunkPolicy(args.first_chunk, args.growth, args.cap)
 
     ckpt = resolve_checkpoint()

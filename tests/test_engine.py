@@ -2,6 +2,7 @@
 prefill, batching, preemption and the prefix cache; sampling, stops, aborts and sizing."""
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -400,3 +401,14 @@ def test_cpu_runner_keeps_freed_heap_for_reuse():
     from servicekit.memory import retain_freed_memory
 
     assert retain_freed_memory() is True
+
+
+def test_onednn_primitive_cache_is_enlarged_unless_the_operator_set_it(monkeypatch):
+    from servicekit.memory import ONEDNN_PRIMITIVES, keep_onednn_primitives
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    keep_onednn_primitives()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_PRIMITIVES)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    keep_onednn_primitives()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from servicekit.memory import retain_freed_memory
+from servicekit.memory import keep_onednn_primitives, retain_freed_memory
 from text_service.config import EngineConfig
 from text_service.context import Context, reset_context, set_context
 from text_service.loader import load_model
@@ -81,6 +81,7 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             retain_freed_memory()
+            keep_onednn_primitives()  # one per projection and row count
         self.model = load_model(
             model_dir, device=self.device, dtype=dtype, max_positions=max_model_len
         )

@@ -128,7 +128,7 @@ def load(args: argparse.Namespace):
     import torch
 
     from servicekit.device import select_device
-    from servicekit.memory import retain_freed_memory
+    from servicekit.memory import keep_onednn_primitives, retain_freed_memory
     from vocoder_service.backends import Backend, OnnxBackend, TorchBackend, auto_backend
     from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import VocoderVoice, load_voice
@@ -154,6 +154,7 @@ def load(args: argparse.Namespace):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     retain_freed_memory()  # torch eager reuses its large buffers instead of faulting them in
+    keep_onednn_primitives()  # a stream's chunk widths vary from call to call
     backends: dict[str, Backend] = {}
     by_generator: dict[str, Backend] = {}
     for voice in voices:
