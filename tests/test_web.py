@@ -435,3 +435,24 @@ def test_busy_http_port_is_a_one_line_start_up_error(deployment):
     assert run.returncode == 2
     assert f"--http-port {busy}:" in run.stderr and "address already in use" in run.stderr
     assert "Traceback" not in run.stderr and '"serving"' not in run.stdout
+
+
+@pytest.mark.parametrize("query, jitter_ms", [("", 100), ("?jitter=150", 150), ("?jitter=x", 100)])
+def test_playback_waits_for_the_jitter_buffer_the_panel_shows(
+    browser, deployment, query, jitter_ms
+):
+    """Playback starts a jitter buffer after the first audio (100 ms, or `?jitter=MS`), and
+    the latency panel says how large it is."""
+    t = Tab(browser, deployment.http_url + query)
+    try:
+        assert t.state("jitterMs") == jitter_ms
+        assert t.page.text_content("#m-jitter") == str(jitter_ms)
+        t.speak("hello there")
+        t.wait("window.splitTTS.report !== null")
+        assert t.state("firstLeadMs") == pytest.approx(jitter_ms, abs=1.0)
+        details = t.page.eval_on_selector_all(
+            "#details dt, #details dd", "els => els.map(e => e.textContent)"
+        )
+        assert details[details.index("jitter buffer") + 1] == f"{jitter_ms} ms"
+    finally:
+        t.close()

@@ -5,7 +5,10 @@ const SAMPLES = {
   en: "Hello! This is split-tts. The audio starts while the rest of the sentence is still being generated.",
   zh: "你好，欢迎使用流式语音合成。声音会在文字生成的同时开始播放。",
 };
-const LEAD_S = 0.05;       // first chunk starts this far ahead of the clock
+// Jitter buffer: playback starts this long after the first audio arrives (and again after it
+// ran dry), so a chunk that arrives up to this late still plays without a gap. The latency
+// panel shows it; `?jitter=MS` sets it (0-1000 ms).
+const JITTER_MS = jitterFromQuery(100);
 const PEAK_BIN_S = 0.005;  // waveform resolution
 
 const $ = (id) => document.getElementById(id);
@@ -14,7 +17,7 @@ const demo = window.splitTTS = {
   phase: "idle", requestId: null, ctx: null, report: null, error: null,
   chunksReceived: 0, samplesReceived: 0, samplesScheduled: 0, underruns: 0,
   firstAudioMs: null, typed: "", sampleRate: 0, download: null,
-  words: [], currentWord: null, highlighted: [],
+  words: [], currentWord: null, highlighted: [], jitterMs: JITTER_MS, firstLeadMs: null,
 };
 let ws = null, voices = [], sources = [], pcm = [], peaks = [], timeline = [];
 let nextTime = 0, playStart = 0, clickedAt = 0, typer = null, drawing = false, frozenAt = null;
@@ -79,7 +82,8 @@ function speak() {
   const voice = voices.find((x) => x.name === $("voice").value);
   audioContext(voice ? voice.sample_rate_hz : 0);  // created inside the click: autoplay allows it
   Object.assign(demo, { phase: "speaking", report: null, error: null, requestId: null, chunksReceived: 0,
-                        samplesReceived: 0, samplesScheduled: 0, underruns: 0, firstAudioMs: null, typed: "" });
+                        samplesReceived: 0, samplesScheduled: 0, underruns: 0, firstAudioMs: null, typed: "",
+                        firstLeadMs: null });
   pcm = []; peaks = []; timeline = []; nextTime = 0; playStart = 0; frozenAt = null;
   Object.assign(demo, { words: [], currentWord: null, highlighted: [] });
   $("words").textContent = "";
@@ -163,8 +167,11 @@ function schedule(samples, rate) {
   src.buffer = buffer;
   src.connect(ctx.destination);
   const now = ctx.currentTime;
-  if (!playStart) { nextTime = now + LEAD_S; playStart = nextTime; }
-  else if (nextTime < now) { demo.underruns += 1; nextTime = now + LEAD_S; }  // playback ran dry
+  if (!playStart) {
+    nextTime = now + JITTER_MS / 1000; playStart = nextTime;
+    demo.firstLeadMs = 1000 * (nextTime - now);  // how far ahead of the clock playback starts
+  }
+  else if (nextTime < now) { demo.underruns += 1; nextTime = now + JITTER_MS / 1000; }  // ran dry
   src.start(nextTime);
   timeline.push({ at: nextTime, offset: demo.samplesScheduled / rate, dur: buffer.duration });
   src.onended = () => { sources = sources.filter((s) => s !== src); };
@@ -297,6 +304,13 @@ for (const b of document.querySelectorAll("[data-sample]")) {
   };
 }
 $("text").value = SAMPLES.en;
+$("m-jitter").textContent = String(JITTER_MS);
 connect();
 loadVoices();
 draw();
+
+function jitterFromQuery(fallbackMs) {
+  const raw = new URLSearchParams(location.search).get("jitter");
+  const ms = Number(raw);
+  return raw !== null && raw !== "" && Number.isFinite(ms) && ms >= 0 && ms <= 1000 ? ms : fallbackMs;
+}

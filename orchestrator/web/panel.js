@@ -38,7 +38,8 @@ function showReport(r) {
   const details = [["audio", `${fmt(r.audio_s, 2)} s`], ["chunks", r.num_chunks],
                    ["speech tokens", r.num_speech_tokens], ["segments", r.num_segments],
                    ["max chunk gap", `${fmt(r.max_chunk_gap_ms)} ms`], ["audio s / wall s", fmt(r.rtf ? 1 / r.rtf : 0, 2)],
-                   ["request id", r.request_id], ["browser underruns", demo.underruns]];
+                   ["request id", r.request_id], ["browser underruns", demo.underruns],
+                   ["jitter buffer", `${demo.jitterMs} ms`]];
   $("details").replaceChildren(...details.flatMap(([k, v]) => {
     const dt = document.createElement("dt"); dt.textContent = k;
     const dd = document.createElement("dd"); dd.textContent = String(v);
