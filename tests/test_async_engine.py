@@ -22,6 +22,7 @@ class FakeEngine:
         self.paused: set[str] = set()
         self.fail = threading.Event()
         self.aborted: list[str] = []
+        self.steps = 0
 
     def stats(self) -> dict:
         return {"num_running": len(self.seqs)}
@@ -47,6 +48,7 @@ class FakeEngine:
         return bool(self.seqs.keys() - self.paused)
 
     def step(self) -> list[StepOutput]:
+        self.steps += 1
         if self.fail.is_set():
             raise RuntimeError("device lost at 0xdeadbeef")
         threading.Event().wait(0.005)
@@ -81,6 +83,38 @@ def test_tokens_stream_and_finish_without_sharing_the_stream_map():
         ae.release("a")
         assert ae.num_pending == 0
         ae.stop()
+
+    run(main())
+
+
+def test_one_event_loop_wake_up_per_step_whatever_the_batch():
+    """A step's tokens for every request reach the event loop in one hand-off."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        handoff = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            nonlocal wake_ups
+            wake_ups += 1
+            return handoff(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        engine = FakeEngine()
+        ae = AsyncEngine(engine)
+        ae.start()
+        streams = [ae.add(rid, [1], SamplingParams(max_tokens=20)) for rid in "abcd"]
+        for stream in streams:
+            tokens: list[int] = []
+            finished = False
+            while not finished:
+                for ev in await stream.next_events():
+                    tokens += ev.token_ids
+                    finished = ev.finished
+            assert tokens == [7] * 20
+        ae.stop()
+        assert engine.steps >= 20 and wake_ups <= engine.steps  # not 4 a step
 
     run(main())
 

@@ -154,6 +154,11 @@ class AsyncEngine:
             stream.finished = True
         stream.queue.put_nowait(item)
 
+    @classmethod
+    def _push_all(cls, items: list[tuple[RequestStream, TokenEvent]]) -> None:
+        for stream, item in items:
+            cls._push(stream, item)
+
     def _fail_all(self, exc: BaseException) -> None:
         self.error = exc
         for stream in self._streams.values():
@@ -204,14 +209,18 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 now = time.perf_counter()
+                events: list[tuple[RequestStream, TokenEvent]] = []
                 for out in outputs:
                     if out.new_token_ids or out.finished:
                         rid = str(out.seq.seq_id)
                         stream = self._running.pop(rid) if out.finished else self._running.get(rid)
                         if stream is None:
                             continue
-                        self._deliver(
-                            stream, TokenEvent(list(out.new_token_ids), out.finished, out.seq, now)
+                        events.append(
+                            (
+                                stream,
+                                TokenEvent(list(out.new_token_ids), out.finished, out.seq, now),
+                            )
                         )
                         if out.finished:
                             self._backlog.pop(rid, None)
@@ -219,6 +228,9 @@ class AsyncEngine:
                         self._backlog[rid] += len(out.new_token_ids)
                         if self._backlog[rid] >= self.max_backlog:
                             self.engine.pause_request(rid)
+                if events:  # one wake-up of the event loop per step, not one per request
+                    assert self._loop is not None, "start() first"
+                    self._loop.call_soon_threadsafe(self._push_all, events)
                 self.stats = self.engine.stats()
         except BaseException as exc:  # fail every waiter instead of hanging them
             log.exception("engine loop crashed; failing every request")
