@@ -99,7 +99,7 @@ class TorchBackend(Backend):
     """The torch generator on any torch device, in fp32, fp16 or bf16.
 
     On the CPU, bf16 runs the height-1 2-D form in channels-last layout on weights packed once
-    for oneDNN (`Generator.pack_for_onednn`): on a CPU with AVX-512 BF16 or AMX the fastest
+    for oneDNN (`Generator.pack_for_onednn`): on a CPU with AMX the fastest
     generator here.
     """
 
@@ -390,19 +390,21 @@ class OnnxBackend(Backend):
 BACKEND_KINDS = ("onnxruntime", "torch")
 
 
-def native_bf16_cpu() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tile units, which oneDNN runs bf16 convolutions on."""
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def auto_backend(device: torch.device) -> tuple[str, str]:
     """(backend, precision) of the vocoder when the operator names neither: the one place that
-    default is decided. A CPU with native bf16 runs the torch generator in bf16 (half the CPU
-    time of ONNX Runtime's fp32 on the project's CPU, the same WER and DNSMOS on the natural
-    held-out set: bench/README.md); other CPUs run ONNX Runtime in fp32; an NPU runs torch in
+    default is decided. A CPU with AMX runs the torch generator in bf16: about half the CPU time
+    of ONNX Runtime's fp32 streamed, with the same WER and DNSMOS on the natural held-out set
+    (bench/README.md). With AVX-512 BF16 alone the same bf16 convolutions ran slower than
+    ONNX Runtime's fp32 (0.62-0.78 against 0.40 CPU s per audio s, oneDNN held to that
+    instruction set on the same CPU), so other CPUs keep ONNX Runtime fp32. An NPU runs torch in
     fp16; CUDA runs ONNX Runtime in fp16."""
     if device.type == "cpu":
-        return ("torch", "bf16") if native_bf16_cpu() else ("onnx", "fp32")
+        return ("torch", "bf16") if cpu_has_amx() else ("onnx", "fp32")
     if device.type == "npu":
         return "torch", "fp16"
     return "onnx", "fp16"
