@@ -209,6 +209,9 @@ def _snr_db(ref: np.ndarray, out: np.ndarray) -> float:
     return float(10 * np.log10(np.sum(ref**2) / max(np.sum((out - ref) ** 2), 1e-30)))
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU"
+)
 def test_bf16_on_the_cpu_tracks_fp32_offline_and_streamed():
     """bf16 runs the height-1 2-D form on weights packed once for oneDNN; offline and chunk by
     chunk streaming give the fp32 audio to within bf16's rounding."""
