@@ -92,6 +92,7 @@ LAYOUTS: dict[str, tuple[list[str], bool]] = {
     "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], True),
     "bf16 torch, pinned": (["--backend", "torch", "--bf16", "--threads", "1"], True),
     "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], False),
+    "bf16 torch, 1 thread, unpinned": (["--backend", "torch", "--bf16", "--threads", "1"], False),
 }
 
 

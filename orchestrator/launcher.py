@@ -139,8 +139,25 @@ def start_service(
     raise StartupError(name, reason, returncode, tail[-20:])
 
 
+def default_cpus(available: set[int] | None = None) -> dict[str, set[int]]:
+    """Where each service of a local deployment runs: the text service and the orchestrator on
+    the lower half of the cores this process may use, the vocoder on the upper half; nothing
+    pinned on one core. On the project's 2-core machine this served 2 real-time streams and
+    3.2-3.4 audio s per wall s, against 0 and 2.0 with the same services unpinned
+    (`python -m bench.e2e --layouts`, bench/README.md)."""
+    cores = sorted(os.sched_getaffinity(0) if available is None else available)
+    if len(cores) < 2:
+        return {}
+    half = len(cores) // 2
+    front = set(cores[:half])
+    return {"text": front, "orchestrator": front, "vocoder": set(cores[half:])}
+
+
 class LocalDeployment:
-    """text-service + vocoder-service + orchestrator on 127.0.0.1; `stop()` drains all three."""
+    """text-service + vocoder-service + orchestrator on 127.0.0.1; `stop()` drains all three.
+
+    `cpus` pins each service to cores by name; None picks `default_cpus()`, {} pins nothing.
+    """
 
     def __init__(
         self,
@@ -171,7 +188,7 @@ class LocalDeployment:
         self.threads = threads if threads is not None else {"text": 1, "vocoder": 1}
         self.ports, self.metrics_ports, self.host, self.quiet = ports, metrics_ports, host, quiet
         self.text_args, self.vocoder_args = text_args or [], vocoder_args or []
-        self.cpus = cpus or {}
+        self.cpus = default_cpus() if cpus is None else cpus
         self.processes: list[Process] = []
 
     def _threads(self, name: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -9,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from orchestrator.launcher import LocalDeployment, start_service
+from orchestrator.launcher import LocalDeployment, default_cpus, start_service
 from splittts.text.v1 import text_pb2, text_pb2_grpc
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
@@ -39,6 +40,18 @@ def deployment(voice_dir):
     local.start()
     yield local
     local.stop()
+
+
+def test_services_run_on_the_default_cores(deployment):
+    """With no `cpus`, a local deployment pins each service where `default_cpus` says."""
+    layout = default_cpus()
+    for service, name in (
+        ("text", "text-service"),
+        ("vocoder", "vocoder-service"),
+        ("orchestrator", "orchestrator"),
+    ):
+        pid = deployment.by_name(name).proc.pid
+        assert os.sched_getaffinity(pid) == layout.get(service, os.sched_getaffinity(0)), name
 
 
 def tts(address: str) -> tuple[grpc.Channel, tts_pb2_grpc.TextToSpeechStub]:
