@@ -199,6 +199,22 @@ def _read_json(path: Path, default):
     return json.loads(path.read_text()) if path.exists() else default
 
 
+def vocoder_precision_table(report: dict) -> str:
+    """The voice card's table from `python -m recipes.default_voice.vocoder_precision`."""
+    if not report:
+        return "(not measured yet: `python -m recipes.default_voice.vocoder_precision`)\n"
+    rows = "".join(
+        f"| {name} | {g['wer']:.2%} | {g['dnsmos']:.3f} |\n"
+        for name, g in report["generators"].items()
+    )
+    return (
+        f"The same speech codes of {report['sentences']} held-out sentences vocoded by each "
+        "generator precision, streamed (`python -m recipes.default_voice.vocoder_precision`); "
+        "scored as above; the teacher on the same sentences is the en_natural rows of the table above. The vocoder service runs bf16 by default on a CPU with AMX.\n\n"
+        "| generator | WER | DNSMOS |\n|---|---|---|\n" + rows
+    )
+
+
 def voice_card(cfg: RecipeConfig, lm_params: float, lm_step: int | None = None) -> str:
     """The README of the bundle, with the recipe's own figures."""
     from recipes.default_voice.data import load_split, seconds
@@ -213,6 +229,7 @@ def voice_card(cfg: RecipeConfig, lm_params: float, lm_step: int | None = None) 
     choice = _read_json(cfg.cache / "decoding.json", {})
     report = _read_json(cfg.cache / "eval" / "report.json", {})
     held_out = eval_table(report) if report else "(evaluation not run yet)\n"
+    precision = vocoder_precision_table(_read_json(cfg.cache / "vocoder_precision.json", {}))
     validation = eval_table(choice) if choice else "(not run yet)\n"
     history_rows = "".join(
         f"| {h['minutes']:.0f} | {h['step']} | {h['val_loss']:.3f} | {h['val_acc']:.1%} |\n"
@@ -302,6 +319,8 @@ teacher's, median; out of range: below half or above twice the teacher's length.
 edit distance between the phoneme characters the LM wrote and its input.
 
 {held_out}
+## Vocoder precision (natural held-out English)
+{precision}
 ## Known limits
 - Durations come from a small predictor: rhythm is the teachers' on average, flatter than theirs.
 - Prosody is the teachers' (flite `slt`, espeak-ng), robotic by design; DNSMOS of the teachers is

@@ -137,6 +137,8 @@ def main() -> None:
             for name, r in rows.items()
         },
     }
+    cfg.cache.mkdir(parents=True, exist_ok=True)  # the voice card's table (bundle.py)
+    (cfg.cache / "vocoder_precision.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
 
