@@ -33,21 +33,24 @@ def voice_dir(tmp_path_factory):
     return make_random_voice(tmp_path_factory.mktemp("voices"))
 
 
-@pytest.fixture(scope="module")
-def service(voice_dir, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    proc = ServiceProcess(
+def vocoder_process(voice_dir, cache, *flags: str) -> ServiceProcess:
+    """A vocoder service on one thread over `voice_dir`, its ONNX exports cached in `cache`."""
+    return ServiceProcess(
         "vocoder_service",
         "--voice",
         str(voice_dir),
-        "--backend",
-        "onnx",  # streaming's exact arithmetic is checked in fp32; the default has its own test
         "--threads",
         "1",
-        "--max-streams",
-        "8",
+        *flags,
         env={"SPLITTTS_CACHE": str(cache)},
     )
+
+
+@pytest.fixture(scope="module")
+def service(voice_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    # streaming's exact arithmetic is checked in fp32; the default has its own test
+    proc = vocoder_process(voice_dir, cache, "--backend", "onnx", "--max-streams", "8")
     yield proc
     assert proc.stop() == 0
 
@@ -92,14 +95,7 @@ def test_default_backend_follows_the_cpu(voice_dir, tmp_path, speech_mel, offlin
     """With no --backend the service picks by the CPU: torch in bf16 where it has AMX, else
     ONNX Runtime in fp32; either way its audio is the fp32 audio to within
     bf16's rounding."""
-    proc = ServiceProcess(
-        "vocoder_service",
-        "--voice",
-        str(voice_dir),
-        "--threads",
-        "1",
-        env={"SPLITTTS_CACHE": str(tmp_path)},
-    )
+    proc = vocoder_process(voice_dir, tmp_path)
     try:
         with proc.channel() as ch:
             info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
@@ -274,18 +270,7 @@ def test_metrics_exported(service):
 
 
 def test_admission_cap_and_sigterm_drain(voice_dir, tmp_path, speech_mel):
-    proc = ServiceProcess(
-        "vocoder_service",
-        "--voice",
-        str(voice_dir),
-        "--threads",
-        "1",
-        "--max-streams",
-        "1",
-        "--grace",
-        "20",
-        env={"SPLITTTS_CACHE": str(tmp_path)},
-    )
+    proc = vocoder_process(voice_dir, tmp_path, "--max-streams", "1", "--grace", "20")
     release = threading.Event()
 
     def slow_requests():
