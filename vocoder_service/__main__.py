@@ -144,13 +144,11 @@ def load(args: argparse.Namespace):
     if args.bf16 and args.backend == "onnx":
         raise ValueError("--bf16 runs on the torch backend: use --backend torch or auto")
     device = select_device(args.device)
-    kind, precision = args.backend, "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-    if kind == "auto":
-        kind, auto_precision = auto_backend(device)
-        if args.bf16:
-            kind = "torch"
-        elif not args.fp16:
-            precision = auto_precision
+    kind, precision = auto_backend(device) if args.backend == "auto" else (args.backend, "fp32")
+    if args.bf16:
+        kind, precision = "torch", "bf16"
+    elif args.fp16:
+        precision = "fp16"
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     retain_freed_memory()  # torch eager reuses its large buffers instead of faulting them in
