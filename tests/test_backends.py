@@ -244,3 +244,58 @@ def test_bf16_on_the_cpu_tracks_fp32_offline_and_streamed():
     assert _snr_db(offline, streamed) > 30, _snr_db(offline, streamed)
     with pytest.raises(ValueError, match="one of fp16 and bf16"):
         TorchBackend(fp16=True, bf16=True)
+
+
+def _stacked_against_alone(backend, mels: list[np.ndarray], steps: list[tuple[int, bool]]):
+    """Run streams through `run_streams` together and through `run_stream` one by one, chunk by
+    chunk; returns (together, alone): each stream's audio."""
+    together = [[] for _ in mels]
+    alone = [[] for _ in mels]
+    states, own = [None] * len(mels), [None] * len(mels)
+    start = 0
+    for n, final in steps:
+        batch = np.concatenate([m[:, :, start : start + n] for m in mels])
+        audio, states = backend.run_streams(batch, states, final)
+        for i, m in enumerate(mels):
+            together[i].append(audio[i])
+            a, own[i] = backend.run_stream(m[:, :, start : start + n], own[i], final)
+            alone[i].append(a)
+        start += n
+    return [np.concatenate(p) for p in together], [np.concatenate(p) for p in alone]
+
+
+STACK_STEPS = [(15, False), (4, False), (4, False), (9, False), (6, True)]
+
+
+@pytest.mark.parametrize("which", ["ort", "torch"])
+def test_streams_stacked_in_one_forward_equal_each_alone(which, ort_backend, torch_backend):
+    """Fresh streams start together and carried states stack along the batch: every stream's
+    audio is what it would have been alone (ONNX Runtime runs them in turn)."""
+    backend = ort_backend if which == "ort" else torch_backend
+    mels = [_mel(1, 38, seed=s).astype(np.float32) for s in (1, 2, 3)]
+    together, alone = _stacked_against_alone(backend, mels, STACK_STEPS)
+    for t, a, m in zip(together, alone, mels):
+        assert t.shape == a.shape == (38 * 256,)
+        np.testing.assert_allclose(t, a, atol=1e-5, rtol=0)
+        assert np.abs(t - backend.run(m)[0]).max() <= 1e-4  # and offline synthesis
+    with pytest.raises(ValueError, match=r"\[3, 80, frames\]"):
+        backend.run_streams(np.zeros((2, 80, 20), np.float32), [None] * 3)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU"
+)
+def test_bf16_streams_stacked_in_one_forward_track_each_alone():
+    """In bf16 a stacked forward may round differently from one stream's, but each stream's
+    audio stays within bf16's rounding of running alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        backend = TorchBackend(bf16=True)
+        mels = [_mel(1, 38, seed=s).astype(np.float32) for s in (1, 2, 3)]
+        together, alone = _stacked_against_alone(backend, mels, STACK_STEPS)
+    finally:
+        torch.set_num_threads(before)
+    for t, a in zip(together, alone):
+        assert t.shape == a.shape == (38 * 256,)
+        assert _snr_db(a, t) >= 40, _snr_db(a, t)

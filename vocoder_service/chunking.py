@@ -31,6 +31,10 @@ class ChunkPolicy:
     max_chunk_frames: int = 256
     shared_chunk_frames: int = 32
     buffer_share: float = 0.5
+    # stateful jobs after a stream's first take new frames in multiples of this: oneDNN
+    # compiles its convolutions once per input shape (tens of ms to hundreds, bench/README.md),
+    # and streams whose jobs are equally long share a forward
+    frame_quantum: int = 4
 
     def __post_init__(self) -> None:
         if self.first_chunk_frames < 1:
@@ -44,6 +48,8 @@ class ChunkPolicy:
             )
         if self.shared_chunk_frames < 1:
             raise ValueError(f"shared_chunk_frames must be >= 1 (got {self.shared_chunk_frames})")
+        if self.frame_quantum < 1:
+            raise ValueError(f"frame_quantum must be >= 1 (got {self.frame_quantum})")
         if not 0.0 < self.buffer_share <= 1.0:
             raise ValueError(f"buffer_share must be in (0, 1] (got {self.buffer_share})")
 
@@ -68,6 +74,10 @@ class ChunkPolicy:
         if pace is not None:  # wait no longer than the buffer allows
             size = min(size, frames_within(pace, self.buffer_share, gather=True))
         return int(max(self._floor(shared, pace), min(self.limit(shared, pace), size)))
+
+    def quantised(self, frames: int) -> int:
+        """`frames` rounded down to a multiple of `frame_quantum` (never below one quantum)."""
+        return max(self.frame_quantum, frames - frames % self.frame_quantum)
 
     def _floor(self, shared: bool, pace: Pace | None) -> int:
         """Fewest frames a job takes: the first chunk's, and enough to keep up; at most the cap."""

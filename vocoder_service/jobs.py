@@ -49,25 +49,79 @@ class Job:
         return self.num_frames * self.hop_size
 
 
+def can_extend(job: Job) -> bool:
+    """Whether a stateful job may take its stream's next jobs into its forward: not a stream's
+    first (its size decides time to first audio) nor a final one (its tail ends the state)."""
+    return job.stateful and not job.final and job.index > 0
+
+
+def joined(jobs: list[Job]) -> Job:
+    """One stream's consecutive non-final stateful jobs as one job: a forward's fixed cost
+    (hundreds of small operators) is paid once for all their frames."""
+    first = jobs[0]
+    if len(jobs) == 1:
+        return first
+    for a, b in zip(jobs, jobs[1:]):
+        if (
+            a.final
+            or b.final
+            or not a.stateful
+            or b.stream is not a.stream
+            or b.index != a.index + 1
+        ):
+            raise ValueError("only a stream's consecutive non-final stateful jobs join")
+    return Job(
+        stream=first.stream,
+        index=first.index,
+        mel=np.concatenate([j.mel for j in jobs], axis=1),
+        window_start=first.window_start,
+        first_frame=first.first_frame,
+        num_frames=sum(j.num_frames for j in jobs),
+        hop_size=first.hop_size,
+        pad_left_ok=False,
+        pad_right_ok=False,
+        ready_at=jobs[-1].ready_at,
+    )
+
+
+def split_joined(audio: np.ndarray, jobs: list[Job]) -> list[np.ndarray]:
+    """A joined job's audio, shared out as the jobs one by one would have emitted it: a
+    non-final call after a stream's first lets out exactly its new frames' samples, so every
+    job but the first gets its own; the first keeps the rest (a fresh state's lag)."""
+    later = [j.num_samples for j in jobs[1:]]
+    first = audio.shape[0] - sum(later)
+    if first < 0:
+        raise ValueError(f"{audio.shape[0]} samples cannot hold jobs of {later} samples")
+    return np.split(audio, np.cumsum([first, *later[:-1]])) if later else [audio]
+
+
 def vocode_jobs(
     backend: Backend, jobs: list[Job], *, max_batch: int = 64, max_pad_ratio: float = 1.25
 ) -> list[np.ndarray]:
     """Run jobs of many streams; returns each job's audio: a windowed job's whole window, a
     stateful job's emitted samples.
 
-    Stateful jobs run one by one in list order, each on its stream's state. Windowed jobs go in
+    Stateful jobs run on their streams' states: jobs of different streams with the same number
+    of new frames and state shapes share a forward (`Backend.run_streams`); a stream's own jobs
+    run in list order, each on the state the one before left. Windowed jobs go in
     as few forwards as possible: windows of equal length share a forward; a shorter one joins a
     longer group when it may be padded on a side where it already has full context (which
     leaves its kept samples unchanged) and the padding wastes at most `max_pad_ratio` of its
     length.
     """
     out: list[np.ndarray | None] = [None] * len(jobs)
-    for i, job in enumerate(jobs):  # in order: a stream's jobs build on each other's state
-        if job.stateful and job.final and job.window_frames == 0 and job.stream.state is None:
-            out[i] = np.zeros(0, np.float32)  # a fresh state holds nothing back
-        elif job.stateful:
-            out[i], state = backend.run_stream(job.mel[None], job.stream.state, job.final)
-            job.stream.state = None if job.final else state
+    for members in _stateful_groups(jobs):
+        first = jobs[members[0]]
+        if first.final and first.window_frames == 0 and first.stream.state is None:
+            out[members[0]] = np.zeros(0, np.float32)  # a fresh state holds nothing back
+            continue
+        mel = np.stack([jobs[i].mel for i in members])
+        pieces, states = backend.run_streams(
+            mel, [jobs[i].stream.state for i in members], first.final
+        )
+        for i, a, state in zip(members, pieces, states):
+            out[i] = a
+            jobs[i].stream.state = None if jobs[i].final else state
     groups: list[tuple[int, list[int]]] = []  # (window length, job indices)
     order = sorted(
         (i for i in range(len(jobs)) if not jobs[i].stateful), key=lambda i: -jobs[i].window_frames
@@ -102,3 +156,19 @@ def vocode_jobs(
             left = 0 if pad == 0 or jobs[i].pad_right_ok else pad
             out[i] = audio[row, left : left + jobs[i].window_frames * hop]
     return out  # type: ignore[return-value]
+
+
+def _stateful_groups(jobs: list[Job]) -> list[list[int]]:
+    """Stateful job indices in forwards: all in list order, one at a time, when a stream has
+    more than one job here; else grouped by what lets streams stack (new frames, a fresh or a
+    carried state and its shapes, final or not), final jobs alone."""
+    stateful = [i for i, job in enumerate(jobs) if job.stateful]
+    if len({id(jobs[i].stream) for i in stateful}) < len(stateful):
+        return [[i] for i in stateful]
+    groups: dict[object, list[int]] = {}
+    for i in stateful:
+        job, state = jobs[i], jobs[i].stream.state
+        shapes = None if state is None else tuple(tuple(t.shape[1:]) for t in state)
+        key = ("final", i) if job.final else (job.window_frames, shapes)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())

@@ -240,7 +240,8 @@ class VocoderStream:
             if remaining < want:
                 break
             # a fresh state's first job stays small: it decides time to first audio
-            jobs.append(self._make_stateful_job(want if self._fresh else min(remaining, limit)))
+            count = want if self._fresh else self.policy.quantised(min(remaining, limit))
+            jobs.append(self._make_stateful_job(min(count, remaining)))
             pace = pace and pace.after(jobs[-1].num_frames)  # a backlog's later jobs run later
         return jobs
 
