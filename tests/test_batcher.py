@@ -2,6 +2,7 @@
 budget, cancelled jobs dropped."""
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -204,3 +205,147 @@ def test_a_batch_is_filled_in_deadline_order():
     assert taken == [later[2]]  # the stream that ran out of audio
     assert next_taken == [first]  # a new stream is due now, ahead of listeners still playing
     assert [p.job for p in together] == [later[2], later[1], later[0]]
+
+
+class StatefulRecordingBackend:
+    """A stand-in generator for stateful jobs: records each forward (streams, new frames) and
+    how many ran at once; emits each stream's new frames' samples (the policy is under test)."""
+
+    hop_size, num_mels, name, device = 4, 80, "recording", "cpu"
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds, self.forwards, self.at_once, self.max_at_once = seconds, [], 0, 0
+        self.lock = threading.Lock()
+
+    def run_streams(self, mel, states, final):
+        with self.lock:
+            self.forwards.append((mel.shape[0], mel.shape[2]))
+            self.at_once += 1
+            self.max_at_once = max(self.max_at_once, self.at_once)
+        time.sleep(self.seconds)
+        with self.lock:
+            self.at_once -= 1
+        audio = np.ones((mel.shape[0], mel.shape[2] * self.hop_size), np.float32)
+        return list(audio), [[np.zeros((1, 2), np.float32)] for _ in states]
+
+
+def stateful_jobs(config, frames: int):
+    """A stateful stream with `frames` frames in (no end yet): its first job, then 8-frame ones."""
+    s = VocoderStream(
+        config,
+        policy=ChunkPolicy(first_chunk_frames=8, growth=1.0, max_chunk_frames=8),
+        stateful=True,
+    )
+    s.push_mel(np.zeros((80, frames), np.float32))
+    return s, s.ready()
+
+
+def test_a_streams_waiting_chunks_join_its_forward_as_its_listener_allows():
+    """A stream's later chunks that wait behind the one taken join its forward (one fixed cost),
+    within the frame budget; while its listener is playing, only as many frames as can be
+    vocoded before the audio runs out; once it will run out anyway, up to the budget. A
+    stream's first chunk (time to first audio) and final chunks never take others."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    async def main():
+        stream, jobs = stateful_jobs(config, 80)
+        assert jobs[0].index == 0 and [j.num_frames for j in jobs[1:4]] == [8, 8, 8]
+        batcher = Batcher(StatefulRecordingBackend(), max_batch_frames=30)
+        batcher.seconds_per_frame = 0.002
+        futures = [batcher.submit(j) for j in jobs]
+
+        def joined_now(runs_out_in_s):
+            if runs_out_in_s is not None:
+                stream.playout.started_at = None
+                stream.playout.delivered = 0
+                playing(stream, runs_out_in_s)
+            taken, rest = batcher._take(list(batcher._pending))
+            runs, _ = batcher._join(taken, rest, time.perf_counter())
+            return [[p.job.index for p in run] for run in runs]
+
+        first = joined_now(None)
+        batcher._pending = [p for p in batcher._pending if p.job.index > 0]
+        nothing_out = joined_now(None)  # no audio out yet: no listener to keep
+        plenty = joined_now(0.05)  # 25 frames' compute in the buffer
+        little = joined_now(0.02)  # 10 frames' worth: only the taken chunk
+        late = joined_now(0.01)  # not even that: it waits a little longer for more
+        for f in futures:
+            f.cancel()
+        await batcher.close()
+        return first, nothing_out, plenty, little, late
+
+    first, nothing_out, plenty, little, late = asyncio.run(main())
+    assert first == [[0]]
+    assert nothing_out == plenty == late == [[1, 2, 3]]  # 24 frames; a fourth would pass 30
+    assert little == [[1]]
+
+
+def test_joined_chunks_get_the_audio_each_would_have_had():
+    """Through the real generator: a backlog vocoded in joined forwards comes back chunk by
+    chunk, in order, and together equals offline synthesis."""
+    import torch
+
+    from vocoder_service.backends import TorchBackend
+
+    async def main(backend, mel):
+        stream = VocoderStream(
+            backend.config,
+            policy=ChunkPolicy(first_chunk_frames=4, growth=1.0, max_chunk_frames=4),
+            stateful=True,
+        )
+        stream.push_mel(mel)
+        jobs = stream.ready()  # the first chunk, then 4-frame ones
+        stream.flush()
+        jobs += stream.ready()  # the held-back tail
+        batcher = Batcher(backend, max_batch_frames=64, on_batch=lambda n, s: None)
+        batcher.start()
+        results = await asyncio.gather(*[batcher.submit(j) for j in jobs])
+        await batcher.close()
+        chunks = [stream.complete(j, r.audio) for j, r in zip(jobs, results)]
+        return jobs, chunks
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        backend = TorchBackend()
+        t = np.arange(60)[None, :]
+        mel = (-5 + 2 * np.sin(0.3 * t + 0.1 * np.arange(80)[:, None])).astype(np.float32)
+        jobs, chunks = asyncio.run(main(backend, mel))
+        offline = backend.run(mel[None])[0]
+    finally:
+        torch.set_num_threads(before)
+    assert len(jobs) > 10
+    assert [c.num_samples for c in chunks[1:-1]] == [j.num_samples for j in jobs[1:-1]]
+    audio = np.concatenate([c.audio for c in chunks])
+    assert audio.shape == offline.shape
+    assert np.abs(audio - offline).max() <= 1e-4
+
+
+def test_workers_run_forwards_of_different_streams_at_once():
+    """With two workers two streams' forwards run at the same time; a stream's own jobs still
+    run one after another, in order."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    async def main(workers):
+        backend = StatefulRecordingBackend(seconds=0.05)
+        batcher = Batcher(backend, max_batch_frames=8, workers=workers)
+        batcher.start()
+        streams = [stateful_jobs(config, 40) for _ in range(3)]
+        order: dict[int, list[int]] = {}
+
+        async def submit(stream, job):
+            await batcher.submit(job)
+            order.setdefault(id(stream), []).append(job.index)
+
+        await asyncio.gather(*[submit(s, j) for s, jobs in streams for j in jobs])
+        await batcher.close()
+        return backend.max_at_once, [order[id(s)] for s, _ in streams], streams
+
+    at_once, orders, streams = asyncio.run(main(2))
+    assert at_once == 2
+    assert all(o == list(range(len(jobs))) for o, (_, jobs) in zip(orders, streams))
+    assert asyncio.run(main(1))[0] == 1

@@ -106,9 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--streaming",
         choices=("auto", "stateful", "windowed"),
         default="auto",
-        help="stateful: each layer keeps its input tail, no work repeated, one stream "
-        "per forward; windowed: each chunk recomputes its context, many streams "
-        "per forward (auto: stateful on CPU, windowed on accelerators)",
+        help="stateful: each layer keeps its input tail, no work repeated, streams with "
+        "equally long chunks share a forward; windowed: each chunk recomputes its context, "
+        "many streams per forward (auto: stateful on CPU, windowed on accelerators)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="forwards in flight at once, each on its own thread and streams: on a CPU, "
+        "one per core the service may use (with --threads 1)",
     )
     p.add_argument("--max-streams", type=int, default=64)
     p.add_argument(
@@ -196,6 +203,7 @@ async def run(args: argparse.Namespace) -> None:
         max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames,
         max_first_batch=None if args.max_first_batch == 0 else args.max_first_batch,
         streaming=args.streaming,
+        workers=args.workers,
     )
     servicer.start()
 

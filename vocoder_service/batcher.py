@@ -1,5 +1,6 @@
 """Vocodes the ready jobs of many streams together, one batched forward per backend at a time,
-the stream whose listener runs out of audio first served first."""
+the stream whose listener runs out of audio first served first, each stream's waiting chunks
+joined into one job where its listener can afford the wait."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from vocoder_service.backends import Backend
-from vocoder_service.jobs import Job, vocode_jobs
+from vocoder_service.jobs import Job, can_extend, joined, split_joined, vocode_jobs
 
 
 @dataclass(frozen=True)
@@ -54,13 +56,17 @@ class Batcher:
         max_batch_frames: int = 256,
         on_batch=None,
         max_first_batch: int | None = None,
+        workers: int = 1,
     ):
         max_first_batch = max_batch if max_first_batch is None else max_first_batch
-        if min(max_batch, max_batch_frames, max_first_batch) < 1:
+        if min(max_batch, max_batch_frames, max_first_batch, workers) < 1:
             raise ValueError(
-                f"max_batch, max_batch_frames and max_first_batch must be >= 1 (got "
-                f"{max_batch}, {max_batch_frames}, {max_first_batch})"
+                f"max_batch, max_batch_frames, max_first_batch and workers must be >= 1 (got "
+                f"{max_batch}, {max_batch_frames}, {max_first_batch}, {workers})"
             )
+        # forwards in flight at once, each on its own thread and streams (a stream's jobs run
+        # in order): on a CPU, one per core the generator may use
+        self.workers = workers
         self.backend = backend
         self.max_batch = max_batch
         # Streams per forward while first jobs wait. Where a forward's time grows with its frames
@@ -71,16 +77,19 @@ class Batcher:
         self.seconds_per_frame = 0.0  # measured generator speed per work frame (0: none yet)
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocode")
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vocode")
         self._task: asyncio.Task | None = None
+        self._forwards: set[asyncio.Task] = set()
+        self._busy: set[int] = set()  # streams with a forward in flight
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._forwards) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: Job) -> asyncio.Future:
@@ -114,51 +123,106 @@ class Batcher:
             frames += p.job.work_frames
         return batch, rest
 
+    def _join(
+        self, batch: list[_Pending], rest: list[_Pending], now: float
+    ) -> tuple[list[list[_Pending]], list[_Pending]]:
+        """Each taken job with the same stream's next waiting jobs that join it (`can_extend`),
+        in deadline order, within the frame budget: a stateful forward's fixed cost is paid
+        once for all of them. A listener that is still playing gets no more frames than can be
+        vocoded before its audio runs out; one whose audio runs out before even the taken job is
+        vocoded waits a little longer for every frame joined, and then holds more."""
+        frames = sum(p.job.work_frames for p in batch)
+        waiting: dict[tuple[int, int], _Pending] = {
+            (id(p.job.stream), p.job.index): p for p in rest
+        }
+        runs: list[list[_Pending]] = []
+        for p in batch:
+            run, own = [p], p.job.work_frames
+            pace = p.job.stream.pace(now, self.seconds_per_frame)
+            in_time = (
+                None
+                if pace is None or not self.seconds_per_frame
+                else int(pace.buffered_s / self.seconds_per_frame)
+            )
+            cap = self.max_batch_frames if in_time is None or in_time < own else in_time
+            while can_extend(run[-1].job) and (
+                nxt := waiting.get((id(p.job.stream), run[-1].job.index + 1))
+            ):
+                n = nxt.job.work_frames
+                if nxt.job.final or frames + n > self.max_batch_frames or own + n > cap:
+                    break
+                run.append(waiting.pop((id(p.job.stream), nxt.job.index)))
+                frames, own = frames + n, own + n
+            runs.append(run)
+        joined_ids = {id(p) for run in runs for p in run[1:]}
+        return runs, [p for p in rest if id(p) not in joined_ids]
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending:
-                batch, self._pending = self._take(
-                    [p for p in self._pending if not p.future.cancelled()]
-                )
+            while self._pending and len(self._forwards) < self.workers:
+                live = [p for p in self._pending if not p.future.cancelled()]
+                busy = [p for p in live if id(p.job.stream) in self._busy]
+                batch, rest = self._take([p for p in live if id(p.job.stream) not in self._busy])
                 if not batch:
+                    self._pending = live
                     break
                 started = time.perf_counter()
-                try:
-                    audio = await loop.run_in_executor(
-                        self._executor, vocode_jobs, self.backend, [p.job for p in batch]
+                runs, rest = self._join(batch, rest, started)
+                self._pending = rest + busy
+                streams = {id(run[0].job.stream) for run in runs}
+                self._busy |= streams
+                task = asyncio.get_running_loop().create_task(self._forward(runs, started))
+                self._forwards.add(task)
+                task.add_done_callback(partial(self._forward_done, streams))
+
+    def _forward_done(self, streams: set[int], task: asyncio.Task) -> None:
+        self._forwards.discard(task)
+        self._busy -= streams
+        self._wake.set()  # the streams' next jobs may go, and a worker is free
+
+    async def _forward(self, runs: list[list[_Pending]], started: float) -> None:
+        """One forward over the runs' jobs on a worker thread; each job's future gets its audio."""
+        batch = [p for run in runs for p in run]
+        try:
+            run_audio = await asyncio.get_running_loop().run_in_executor(
+                self._executor,
+                vocode_jobs,
+                self.backend,
+                [joined([p.job for p in run]) for run in runs],
+            )
+            audio = [
+                a
+                for run, joint in zip(runs, run_audio)
+                for a in split_joined(joint, [p.job for p in run])
+            ]
+        except Exception as exc:  # noqa: BLE001 - hand the failure to every waiter
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        finished = time.perf_counter()
+        seconds = finished - started
+        if self.on_batch is not None:
+            self.on_batch(len(runs), seconds)
+        frames = sum(p.job.work_frames for p in batch)
+        if frames:
+            per_frame = seconds / frames
+            self.seconds_per_frame = (
+                per_frame
+                if not self.seconds_per_frame
+                else (1 - _EWMA) * self.seconds_per_frame + _EWMA * per_frame
+            )
+        for p, a in zip(batch, audio):
+            if not p.future.done():
+                p.future.set_result(
+                    JobResult(
+                        a,
+                        1e3 * seconds * p.job.work_frames / max(frames, 1),
+                        1e3 * (started - p.submitted),
+                        len(runs),
+                        started,
+                        finished,
                     )
-                except Exception as exc:  # noqa: BLE001 - hand the failure to every waiter
-                    for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(exc)
-                    continue
-                finished = time.perf_counter()
-                seconds = finished - started
-                if self.on_batch is not None:
-                    self.on_batch(len(batch), seconds)
-                frames = sum(p.job.work_frames for p in batch)
-                if frames:
-                    per_frame = seconds / frames
-                    self.seconds_per_frame = (
-                        per_frame
-                        if not self.seconds_per_frame
-                        else (1 - _EWMA) * self.seconds_per_frame + _EWMA * per_frame
-                    )
-                for p, a in zip(batch, audio):
-                    if not p.future.done():
-                        p.future.set_result(
-                            JobResult(
-                                a,
-                                1e3 * seconds * p.job.work_frames / max(frames, 1),
-                                1e3 * (started - p.submitted),
-                                len(batch),
-                                started,
-                                finished,
-                            )
-                        )
-                # let the streams hand their audio out (their playout clocks move) before the
-                # next pick by deadline
-                await asyncio.sleep(0)
+                )

@@ -83,6 +83,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         max_batch_frames: int | None = None,
         max_first_batch: int | None = None,
         streaming: str = "auto",
+        workers: int = 1,
     ):
         if not voices:
             raise ValueError("at least one voice is required")
@@ -102,6 +103,9 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             raise ValueError(f"max_first_batch must be >= 1 (got {max_first_batch})")
         self.max_batch_frames = max_batch_frames  # None: by the backend's device
         self.max_first_batch = max_first_batch  # None: by the backend's device
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1 (got {workers})")
+        self.workers = workers  # forwards in flight at once per backend
         self.active_streams = 0
         self._batchers: dict[int, Batcher] = {}
 
@@ -111,13 +115,13 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             if id(backend) not in self._batchers:
                 budget = self.max_batch_frames or default_batch_frames(backend)
                 firsts = self.max_first_batch or default_first_batch(backend)
-                # a stateful job runs alone: one per forward, so a first chunk waits for one job
                 batcher = Batcher(
                     backend,
-                    max_batch=1 if self.stateful(backend) else 32,
+                    max_batch=32,
                     max_batch_frames=budget,
                     max_first_batch=firsts,
                     on_batch=metrics.observe_batch,
+                    workers=self.workers,
                 )
                 batcher.start()
                 self._batchers[id(backend)] = batcher
