@@ -86,13 +86,15 @@ def serve_colocated(args) -> None:
 
 
 # How a split deployment shares the machine's two cores (`--layouts` measures each in turn):
-# the vocoder's flags, and whether each service is pinned (text service and orchestrator on
-# core 0, vocoder on core 1) or all float over both.
-LAYOUTS: dict[str, tuple[list[str], bool]] = {
-    "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], True),
-    "bf16 torch, pinned": (["--backend", "torch", "--bf16", "--threads", "1"], True),
-    "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], False),
-    "bf16 torch, 1 thread, unpinned": (["--backend", "torch", "--bf16", "--threads", "1"], False),
+# the vocoder's flags, and each service's cores ({} pins nothing; None: the local deployment's
+# default, `orchestrator.launcher.default_cpus`, with one vocoder worker per core).
+PINNED = {"text": {0}, "orchestrator": {0}, "vocoder": {1}}
+BF16 = ["--backend", "torch", "--bf16", "--threads", "1"]
+LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
+    "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], PINNED),
+    "bf16 torch, pinned": (BF16, PINNED),
+    "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], {}),
+    "bf16 torch, vocoder on both cores, 2 workers (default)": (BF16, None),
 }
 
 
@@ -105,16 +107,18 @@ class Deployment:
         mode: str,
         http: bool = False,
         vocoder_args: list[str] | None = None,
-        pinned: bool = True,
+        cpus: dict[str, set[int]] | None = None,
     ):
         self.voice_dir, self.mode, self.procs = voice_dir, mode, []
         self.http = http  # the orchestrator's HTTP port (web demo, /v1) on a free port
         self.http_port: int | None = None
         self.vocoder_args = vocoder_args if vocoder_args is not None else ["--threads", "1"]
-        self.pinned = pinned
+        from orchestrator.launcher import default_cpus
+
+        self.cpus = default_cpus() if cpus is None else cpus  # by service; {}: none pinned
 
     def __enter__(self):
-        from orchestrator.launcher import start_service
+        from orchestrator.launcher import start_service, vocoder_workers
 
         try:
             if self.mode == "split":
@@ -129,13 +133,19 @@ class Deployment:
                         "--kv-cache-memory",
                         "256MiB",
                     ],
-                    cpus={0} if self.pinned else None,
+                    cpus=self.cpus.get("text"),
                 )
+                voc_cpus = self.cpus.get("vocoder")
                 voc = start_service(
                     "vocoder",
                     "vocoder_service",
-                    ["--voice", str(self.voice_dir), *self.vocoder_args],
-                    cpus={1} if self.pinned else None,
+                    [
+                        "--voice",
+                        str(self.voice_dir),
+                        *vocoder_workers(voc_cpus),
+                        *self.vocoder_args,
+                    ],
+                    cpus=voc_cpus,
                 )
                 self.procs += [text, voc]
                 text_addr, voc_addr = text.address, voc.address
@@ -161,7 +171,7 @@ class Deployment:
                     "--http-port",
                     "0" if self.http else "-1",
                 ],
-                cpus={0} if self.mode == "split" and self.pinned else None,
+                cpus=self.cpus.get("orchestrator") if self.mode == "split" else None,
             )
             self.procs.append(orch)
             self.address, self.http_port = orch.address, orch.http_port
@@ -219,9 +229,9 @@ def compare_layouts(voice_dir: Path, n1: int, n4: int, n8: int) -> dict:
         "audio_s_per_wall_s",
     )
     result = {}
-    for name, (vocoder_args, pinned) in LAYOUTS.items():
+    for name, (vocoder_args, cpus) in LAYOUTS.items():
         print(f"layout: {name}", file=sys.stderr, flush=True)
-        with Deployment(voice_dir, "split", vocoder_args=vocoder_args, pinned=pinned) as d:
+        with Deployment(voice_dir, "split", vocoder_args=vocoder_args, cpus=cpus) as d:
             run_level(d.address, 1, 2)  # warm-up
             plan = ((1, n1), (2, n1), (4, n4), (8, n8))
             levels = [run_level(d.address, c, n) for c, n in plan]

@@ -141,16 +141,21 @@ def start_service(
 
 def default_cpus(available: set[int] | None = None) -> dict[str, set[int]]:
     """Where each service of a local deployment runs: the text service and the orchestrator on
-    the lower half of the cores this process may use, the vocoder on the upper half; nothing
-    pinned on one core. On the project's 2-core machine this served 2 real-time streams and
-    3.2-3.4 audio s per wall s, against 0 and 2.0 with the same services unpinned
+    the lower half of the cores this process may use; the vocoder on all of them, with one
+    worker per core (`vocoder_workers`), so it takes whatever the text service leaves idle;
+    nothing pinned on one core. On the project's 2-core machine this made 5.5-5.9 audio s per
+    wall s at 4 and 8 streams, against 3.2 with the vocoder on core 1 alone
     (`python -m bench.e2e --layouts`, bench/README.md)."""
     cores = sorted(os.sched_getaffinity(0) if available is None else available)
     if len(cores) < 2:
         return {}
-    half = len(cores) // 2
-    front = set(cores[:half])
-    return {"text": front, "orchestrator": front, "vocoder": set(cores[half:])}
+    front = set(cores[: len(cores) // 2])
+    return {"text": front, "orchestrator": front, "vocoder": set(cores)}
+
+
+def vocoder_workers(cores: set[int] | None) -> list[str]:
+    """The vocoder's flag for forwards in flight at once: one per core it runs on."""
+    return ["--workers", str(len(cores))] if cores else []
 
 
 class LocalDeployment:
@@ -248,6 +253,7 @@ class LocalDeployment:
                     str(self.voice_dir),
                     *self._threads("vocoder"),
                     *self._tls("vocoder-service"),
+                    *vocoder_workers(self.cpus.get("vocoder")),
                     *self.vocoder_args,
                 ],
                 port=self.ports[2],

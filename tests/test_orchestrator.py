@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -52,6 +53,11 @@ def test_services_run_on_the_default_cores(deployment):
     ):
         pid = deployment.by_name(name).proc.pid
         assert os.sched_getaffinity(pid) == layout.get(service, os.sched_getaffinity(0)), name
+    # the vocoder runs one worker per core it may use
+    vocoder = deployment.by_name("vocoder-service").proc.pid
+    argv = Path(f"/proc/{vocoder}/cmdline").read_bytes().decode().split("\0")
+    workers = argv[argv.index("--workers") + 1] if "--workers" in argv else "1"
+    assert workers == (str(len(layout["vocoder"])) if layout else "1")
 
 
 def tts(address: str) -> tuple[grpc.Channel, tts_pb2_grpc.TextToSpeechStub]:
