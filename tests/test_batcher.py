@@ -271,15 +271,18 @@ def test_a_streams_waiting_chunks_join_its_forward_as_its_listener_allows():
         plenty = joined_now(0.05)  # 25 frames' compute in the buffer
         little = joined_now(0.02)  # 10 frames' worth: only the taken chunk
         late = joined_now(0.01)  # not even that: it waits a little longer for more
+        batcher.max_join_frames = 16  # what a new stream's first chunk may wait behind
+        capped = joined_now(0.01)
         for f in futures:
             f.cancel()
         await batcher.close()
-        return first, nothing_out, plenty, little, late
+        return first, nothing_out, plenty, little, late, capped
 
-    first, nothing_out, plenty, little, late = asyncio.run(main())
+    first, nothing_out, plenty, little, late, capped = asyncio.run(main())
     assert first == [[0]]
     assert nothing_out == plenty == late == [[1, 2, 3]]  # 24 frames; a fourth would pass 30
     assert little == [[1]]
+    assert capped == [[1, 2]]
 
 
 def test_joined_chunks_get_the_audio_each_would_have_had():
@@ -349,3 +352,27 @@ def test_workers_run_forwards_of_different_streams_at_once():
     assert at_once == 2
     assert all(o == list(range(len(jobs))) for o, (_, jobs) in zip(orders, streams))
     assert asyncio.run(main(1))[0] == 1
+
+
+def test_a_stream_whose_chunk_does_not_fit_keeps_its_later_ones_back():
+    """When a stream's next chunk does not fit the forward's frame budget, its later chunks wait
+    too: they build on its state, so taking one would run the stream out of order."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    async def main():
+        urgent, urgent_jobs = stateful_jobs(config, 40)
+        playing(urgent, -5.0)
+        _, jobs = stateful_jobs(config, 40)  # a first chunk with its lookahead, then 8 frames
+        assert jobs[0].work_frames > jobs[1].work_frames == 8
+        budget = urgent_jobs[1].work_frames + jobs[0].work_frames - 1
+        batcher = Batcher(StatefulRecordingBackend(), max_batch_frames=budget)
+        for job in (urgent_jobs[1], jobs[0], jobs[1]):
+            batcher.submit(job)
+        taken, rest = batcher._take(list(batcher._pending))
+        await batcher.close()
+        return [p.job for p in taken], urgent_jobs[1]
+
+    taken, urgent_job = asyncio.run(main())
+    assert taken == [urgent_job]

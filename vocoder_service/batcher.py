@@ -46,8 +46,8 @@ _EWMA = 0.2  # weight of the newest forward in the measured speed
 
 
 class Batcher:
-    """Collects jobs while a forward runs; the next forward takes what was collected, earliest
-    playout deadline first."""
+    """Collects jobs while forwards run; each free worker's next forward takes what was
+    collected, earliest playout deadline first, from streams with no forward in flight."""
 
     def __init__(
         self,
@@ -57,6 +57,7 @@ class Batcher:
         on_batch=None,
         max_first_batch: int | None = None,
         workers: int = 1,
+        max_join_frames: int | None = None,
     ):
         max_first_batch = max_batch if max_first_batch is None else max_first_batch
         if min(max_batch, max_batch_frames, max_first_batch, workers) < 1:
@@ -67,6 +68,9 @@ class Batcher:
         # forwards in flight at once, each on its own thread and streams (a stream's jobs run
         # in order): on a CPU, one per core the generator may use
         self.workers = workers
+        # most frames in one stream's joined chunks: a forward cannot be interrupted, so this
+        # bounds how long a new stream's first chunk waits behind another's backlog
+        self.max_join_frames = max_batch_frames if max_join_frames is None else max_join_frames
         self.backend = backend
         self.max_batch = max_batch
         # Streams per forward while first jobs wait. Where a forward's time grows with its frames
@@ -117,10 +121,10 @@ class Batcher:
             fits = frames + p.job.work_frames <= self.max_batch_frames or not batch
             if (firsts and p.job.index > 0) or stream in streams or len(batch) >= limit or not fits:
                 rest.append(p)
-                continue
-            batch.append(p)
-            streams.add(stream)
-            frames += p.job.work_frames
+            else:
+                batch.append(p)
+                frames += p.job.work_frames
+            streams.add(stream)  # its later jobs wait for this one, taken or not
         return batch, rest
 
     def _join(
@@ -144,7 +148,10 @@ class Batcher:
                 if pace is None or not self.seconds_per_frame
                 else int(pace.buffered_s / self.seconds_per_frame)
             )
-            cap = self.max_batch_frames if in_time is None or in_time < own else in_time
+            cap = min(
+                self.max_join_frames,
+                self.max_batch_frames if in_time is None or in_time < own else in_time,
+            )
             while can_extend(run[-1].job) and (
                 nxt := waiting.get((id(p.job.stream), run[-1].job.index + 1))
             ):

@@ -122,6 +122,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                     max_first_batch=firsts,
                     on_batch=metrics.observe_batch,
                     workers=self.workers,
+                    # joined chunks no longer than the policy's chunks while streams share
+                    max_join_frames=self.policy.cap(shared=True),
                 )
                 batcher.start()
                 self._batchers[id(backend)] = batcher
