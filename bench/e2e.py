@@ -89,12 +89,13 @@ def serve_colocated(args) -> None:
 # the vocoder's flags, and each service's cores ({} pins nothing; None: the local deployment's
 # default, `orchestrator.launcher.default_cpus`, with one vocoder worker per core).
 PINNED = {"text": {0}, "orchestrator": {0}, "vocoder": {1}}
+MACHINE_CORES = frozenset(os.sched_getaffinity(0))
 BF16 = ["--backend", "torch", "--bf16", "--threads", "1"]
 LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
-    "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], PINNED),
+    "bf16 torch, vocoder on both cores, 2 workers (default)": (BF16, None),
     "bf16 torch, pinned": (BF16, PINNED),
     "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], {}),
-    "bf16 torch, vocoder on both cores, 2 workers (default)": (BF16, None),
+    "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], PINNED),
 }
 
 
@@ -115,7 +116,9 @@ class Deployment:
         self.vocoder_args = vocoder_args if vocoder_args is not None else ["--threads", "1"]
         from orchestrator.launcher import default_cpus
 
-        self.cpus = default_cpus() if cpus is None else cpus  # by service; {}: none pinned
+        # by service ({}: none pinned); the default from all the machine's cores, not the load
+        # generator's own (main() keeps it on core 0)
+        self.cpus = default_cpus(set(MACHINE_CORES)) if cpus is None else cpus
 
     def __enter__(self):
         from orchestrator.launcher import start_service, vocoder_workers
