@@ -121,7 +121,7 @@ class Deployment:
         self.cpus = default_cpus(set(MACHINE_CORES)) if cpus is None else cpus
 
     def __enter__(self):
-        from orchestrator.launcher import start_service, vocoder_workers
+        from orchestrator.launcher import start_service, vocoder_nice, vocoder_workers
 
         try:
             if self.mode == "split":
@@ -149,6 +149,7 @@ class Deployment:
                         *self.vocoder_args,
                     ],
                     cpus=voc_cpus,
+                    nice=vocoder_nice(self.cpus),
                 )
                 self.procs += [text, voc]
                 text_addr, voc_addr = text.address, voc.address

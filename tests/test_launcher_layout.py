@@ -2,7 +2,7 @@
 
 import os
 
-from orchestrator.launcher import default_cpus, vocoder_workers
+from orchestrator.launcher import VOCODER_NICE, default_cpus, vocoder_nice, vocoder_workers
 
 
 def test_text_and_orchestrator_keep_the_lower_half_the_vocoder_spreads_over_all():
@@ -12,5 +12,9 @@ def test_text_and_orchestrator_keep_the_lower_half_the_vocoder_spreads_over_all(
     assert big["text"] == set(range(8)) and big["vocoder"] == set(range(16))
     assert vocoder_workers({0, 1}) == ["--workers", "2"]  # one forward in flight per core
     assert vocoder_workers(None) == vocoder_workers(set()) == []
+    # the vocoder yields the cores it shares with the speech LM, and only those
+    assert vocoder_nice(default_cpus({0, 1})) == VOCODER_NICE > 0
+    assert vocoder_nice({"text": {0}, "orchestrator": {0}, "vocoder": {1}}) == 0
+    assert vocoder_nice({}) == 0
     assert default_cpus({3}) == {}  # one core: nothing to split, nothing pinned
     assert default_cpus() == default_cpus(os.sched_getaffinity(0))

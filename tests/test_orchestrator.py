@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from orchestrator.launcher import LocalDeployment, default_cpus, start_service
+from orchestrator.launcher import LocalDeployment, default_cpus, start_service, vocoder_nice
 from splittts.text.v1 import text_pb2, text_pb2_grpc
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
@@ -58,6 +58,8 @@ def test_services_run_on_the_default_cores(deployment):
     argv = Path(f"/proc/{vocoder}/cmdline").read_bytes().decode().split("\0")
     workers = argv[argv.index("--workers") + 1] if "--workers" in argv else "1"
     assert workers == (str(len(layout["vocoder"])) if layout else "1")
+    nice = os.getpriority(os.PRIO_PROCESS, vocoder) - os.getpriority(os.PRIO_PROCESS, 0)
+    assert nice == vocoder_nice(layout)
 
 
 def tts(address: str) -> tuple[grpc.Channel, tts_pb2_grpc.TextToSpeechStub]:

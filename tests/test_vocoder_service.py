@@ -129,6 +129,33 @@ def test_mel_stream_equals_offline(service, speech_mel, offline_backend, chunk_f
         assert len(result.chunks) > 2  # streamed, not one block at the end
 
 
+def test_workers_serve_concurrent_streams_each_equal_to_offline(
+    voice_dir, tmp_path, speech_mel, offline_backend
+):
+    """Two workers on the torch backend: streams in flight at once, stacked and joined in
+    forwards of their own, each still gets its offline audio."""
+    proc = vocoder_process(voice_dir, tmp_path, "--backend", "torch", "--workers", "2")
+    try:
+        mels = [speech_mel[:, i * 7 : i * 7 + 60] for i in range(4)]
+        results: list = [None] * len(mels)
+
+        def one(i: int) -> None:
+            with proc.channel() as ch:
+                results[i] = vocode(ch, mel_requests(mels[i], 2 + i % 2))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(mels))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        assert proc.stop() == 0
+    for mel, result in zip(mels, results):
+        offline = offline_backend.run(mel[None])[0]
+        assert result is not None and len(result.audio) == mel.shape[1] * 256
+        assert snr_db(offline, result.audio) >= 40.0
+
+
 def test_token_stream_equals_offline(service, voice_dir, offline_backend):
     voice = load_voice(voice_dir)
     ids = np.random.default_rng(0).integers(0, 64, size=40)
@@ -329,6 +356,7 @@ def test_flush_emits_everything_received_and_keeps_the_stream_open(service):
         (("--max-first-batch", "-1"), "max_first_batch must be >= 1"),
         (("--first-chunk-frames", "0"), "first_chunk_frames must be >= 1"),
         (("--backend", "onnx", "--bf16"), "--bf16 runs on the torch backend"),
+        (("--workers", "0"), "workers must be >= 1"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(voice_dir, flags, match):
