@@ -171,8 +171,8 @@ def vocoder_workers(cores: set[int] | None) -> list[str]:
 
 # The vocoder's priority where it shares the text service's cores: the speech LM's steps feed
 # every stream, so they go first and the vocoder takes the rest. At 4 streams starting together
-# (2 cores) this cut the chunks that arrived after a 150 ms buffer ran dry from 154-186 to
-# 104-131 and the slowest stream's RTF from 1.20-1.28 to 1.05-1.10.
+# (2 cores, three runs each) this cut the chunks that arrived after a 150 ms buffer ran dry from
+# 154-200 to 104-136 and the slowest stream's RTF from 1.20-1.28 to 1.05-1.10.
 VOCODER_NICE = 10
 
 
