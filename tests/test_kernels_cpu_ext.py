@@ -288,6 +288,28 @@ def test_silu_and_mul_matches_reference(dtype, shape) -> None:
     )
 
 
+def test_bf16_outputs_round_as_torch_does() -> None:
+    """The row kernels compute in fp32 and round to bf16 without c10's branches (so the loops
+    vectorise): the bf16 output is exactly the fp32 kernel's output rounded by torch, for
+    halfway cases (to even), overflow to inf, NaN and subnormals."""
+    up = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.4e38, float("nan"), 1e-40, 0.0, -0.0],
+        dtype=torch.float32,
+    )
+    up = torch.cat([up, torch.randn(1000) * 50])
+    gate = torch.full_like(up, 30.0)  # silu(30) = 30 to fp32 precision: products near `up * 30`
+    x = torch.cat([gate, up])[None]
+    exact = cpu_ext.silu_and_mul(x)  # fp32
+    as_bf16 = cpu_ext.silu_and_mul(x.to(torch.bfloat16).float())  # the bf16 inputs, in fp32
+    got = cpu_ext.silu_and_mul(x.to(torch.bfloat16))
+    want = as_bf16.to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and nan[0, 4]  # a NaN's payload may differ
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.isinf(got[0, 3]) and exact.isfinite()[0, 0]
+
+
 def test_row_kernels_are_the_cpu_ops_and_reject_bad_shapes() -> None:
     cpu = kernels.get_ops("cpu")
     assert (cpu.rms_norm, cpu.add_rms_norm, cpu.silu_and_mul) == (

@@ -9,7 +9,9 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
@@ -21,6 +23,23 @@ constexpr int64_t kGrainElements = 1 << 16;  // below this much work one thread 
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return float(x); }
+
+// fp32 to the output type. bf16: round to nearest even and NaN to the quiet NaN, as
+// c10::BFloat16(float) does, but without its branches, so the loops around it vectorise (bf16
+// SiLU-and-multiply ran 4.4x slower than fp32 with the constructor).
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint16_t out = (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(rounded);
+  return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
 
 void check_rows(const at::Tensor& x, const char* op, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), op, ": ", name, " must be on cpu, got ", x.device());
@@ -52,7 +71,7 @@ inline void norm_row(const in_t* src, out_t* dst, const float* scale, int64_t di
     sum += v * v;
   }
   const float inv = 1.f / std::sqrt(sum / float(dim) + eps);
-  for (int64_t i = 0; i < dim; ++i) dst[i] = out_t(to_float(src[i]) * inv * scale[i]);
+  for (int64_t i = 0; i < dim; ++i) dst[i] = narrow<out_t>(to_float(src[i]) * inv * scale[i]);
 }
 
 template <typename scalar_t>
@@ -77,7 +96,7 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const st
     for (int64_t r = begin; r < end; ++r) {
       // the sum is rounded to the tensor dtype first, as `x + residual` is in the reference
       for (int64_t i = 0; i < dim; ++i)
-        res[r * dim + i] = scalar_t(to_float(a[r * dim + i]) + to_float(b[r * dim + i]));
+        res[r * dim + i] = narrow<scalar_t>(to_float(a[r * dim + i]) + to_float(b[r * dim + i]));
       norm_row(res + r * dim, o + r * dim, scale.data(), dim, eps);
     }
   });
@@ -124,7 +143,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const scalar_t* up = gate + width;
       scalar_t* dst = o + r * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) dst[i] = scalar_t(splittts::silu(to_float(gate[i])) * to_float(up[i]));
+      for (int64_t i = 0; i < width; ++i) dst[i] = narrow<scalar_t>(splittts::silu(to_float(gate[i])) * to_float(up[i]));
     }
   });
 }
@@ -163,8 +182,8 @@ void rotary_impl(const at::Tensor& x, const int64_t* positions, const float* cac
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
-          dst[i] = scalar_t(x1 * cos[i] - x2 * sin[i]);
-          dst[i + half] = scalar_t(x2 * cos[i] + x1 * sin[i]);
+          dst[i] = narrow<scalar_t>(x1 * cos[i] - x2 * sin[i]);
+          dst[i + half] = narrow<scalar_t>(x2 * cos[i] + x1 * sin[i]);
         }
         for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
       }
