@@ -154,8 +154,8 @@ def default_cpus(available: set[int] | None = None) -> dict[str, set[int]]:
     """Where each service of a local deployment runs: the text service and the orchestrator on
     the lower half of the cores this process may use; the vocoder on all of them, with one
     worker per core (`vocoder_workers`), so it takes whatever the text service leaves idle;
-    nothing pinned on one core. On the project's 2-core machine this made 5.9-6.1 audio s per
-    wall s at 2 to 8 streams, against 4.3-4.8 with the vocoder on core 1 alone
+    nothing pinned on one core. On the project's 2-core machine this made 5.6-6.1 audio s per
+    wall s at 2 to 8 streams, against 4.2-4.8 with the vocoder on core 1 alone
     (`python -m bench.e2e --layouts`, bench/README.md)."""
     cores = sorted(os.sched_getaffinity(0) if available is None else available)
     if len(cores) < 2:
