@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vocoder_service.backends import TorchBackend
-from vocoder_service.chunking import ChunkPolicy, frames_to_keep_up, frames_within
+from vocoder_service.chunking import ChunkPolicy, ForwardShape, frames_to_keep_up, frames_within
 from vocoder_service.jobs import vocode_jobs
 from vocoder_service.mel import MelSpectrogram
 from vocoder_service.playout import Pace, PlayoutClock
@@ -422,17 +422,18 @@ def test_stateful_streams_in_step_share_forwards(backend, mel):
     inputs = [mel, mel[:, 3:], mel[::-1].copy(), mel[:, :41]]
     streams = [VocoderStream(backend.config, stateful=True) for _ in inputs]
     out = [[] for _ in inputs]
+    waiting: list[list] = [[] for _ in inputs]
     step = 0
     while not all(s.done for s in streams):
-        for s, m in zip(streams, inputs):
+        for s, m, queue in zip(streams, inputs, waiting):
             lo = step * 4
             if lo < m.shape[1]:
                 s.push_mel(m[:, lo : lo + 4])
             elif not s.ended:
                 s.flush()
+            queue += s.ready()
         # one job per stream per forward, as the batcher takes them
-        jobs = [s.ready()[:1] for s in streams]
-        jobs = [j[0] for j in jobs if j]
+        jobs = [queue.pop(0) for queue in waiting if queue]
         for job, audio in zip(jobs, vocode_jobs(Counting(), jobs)):
             out[streams.index(job.stream)].append(job.stream.complete(job, audio))
         step += 1
@@ -554,3 +555,47 @@ def test_voice_directory(tmp_path, decoder):
         load_voice(voice_dir)
     with pytest.raises(FileNotFoundError):
         load_voice(tmp_path / "nowhere")
+
+
+def test_stateful_shapes_cover_first_quantised_and_final_forwards():
+    policy = ChunkPolicy(first_chunk_frames=4, shared_chunk_frames=32, frame_quantum=4)
+    shapes = policy.stateful_shapes(lag=13, max_batch_frames=64, max_streams=4)
+    assert shapes[0] == ForwardShape(1, 17, fresh=True)
+    steady = {(s.streams, s.frames) for s in shapes if not (s.final or s.fresh)}
+    assert {f for _, f in steady} == set(range(4, 33, 4))
+    # stacks of up to 4 streams within the frame budget
+    assert max(n for n, f in steady if f == 4) == 4 and max(n for n, f in steady if f == 32) == 2
+    assert all(n * f <= 64 for n, f in steady) and all(
+        (n - 1, f) in steady for n, f in steady if n > 1
+    )
+    assert [s.frames for s in shapes if s.final] == [0, 1, 2, 3]
+    assert len(set(shapes)) == len(shapes)
+
+
+@pytest.mark.parametrize("length", [9, 17, 18, 23, 41, 60])
+def test_stream_jobs_keep_to_the_warmed_shapes(backend, mel, length):
+    """Whatever the pieces and the end: the first job of a stream long enough is the policy's
+    first, later ones whole quanta up to the shared cap, the final one under a quantum; a
+    short input goes in one final job. The audio still equals offline synthesis."""
+    policy = ChunkPolicy(max_chunk_frames=128, shared_chunk_frames=32)
+    right = backend.receptive_field[1]
+    warmed = {(s.frames, s.final, s.fresh) for s in policy.stateful_shapes(right, 64)}
+    rng = np.random.default_rng(length)
+    m = np.tile(mel, (1, 2))[:, :length]
+    stream = VocoderStream(backend.config, policy=policy, stateful=True)
+    jobs, lo = [], 0
+    while lo < length:
+        n = int(rng.integers(1, 7))
+        stream.push_mel(m[:, lo : lo + n])
+        lo += n
+        jobs += stream.ready(shared=True)
+    stream.flush()
+    jobs += stream.ready(shared=True)
+    shapes = [(j.num_frames, j.final, j.index == 0) for j in jobs]
+    if length < 4 + right:
+        assert shapes == [(length, True, True)]  # a short input from a fresh state, at once
+    else:
+        assert all(shape in warmed for shape in shapes), shapes
+    chunks = [stream.complete(j, a) for j, a in zip(jobs, vocode_jobs(backend, jobs))]
+    audio = check_contiguous(chunks, length * HOP)
+    assert snr_db(audio, backend.run(m[None])[0]) >= 40

@@ -383,3 +383,28 @@ def test_bad_flags_exit_2_with_one_line(voice_dir, flags, match):
     )
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr
+
+
+def test_warmup_runs_each_stateful_shape_once_over_the_workers(voice_dir):
+    """Before it serves, a CPU vocoder runs one stateful forward of every shape its streams
+    mostly use (oneDNN compiles each shape on first use), spread over its workers."""
+    from vocoder_service.backends import TorchBackend
+    from vocoder_service.server import VocoderServicer
+
+    voice = load_voice(voice_dir)
+    seen: list[tuple[tuple[int, int, bool, bool], str]] = []
+
+    class Recording(TorchBackend):
+        def run_streams(self, mel, states, final=False):
+            shape = (mel.shape[0], mel.shape[2], final, states[0] is None)
+            seen.append((shape, threading.current_thread().name))
+            return super().run_streams(mel, states, final)
+
+    backend = Recording(voice.generator)
+    assert backend.compiles_per_shape
+    servicer = VocoderServicer([voice], {voice.name: backend}, workers=2)
+    servicer.warmup()
+    expected = servicer.policy.stateful_shapes(backend.receptive_field[1], 64)
+    ran = [shape for shape, _ in seen]
+    assert sorted(ran[-len(expected) :]) == sorted(tuple(s) for s in expected)
+    assert len({thread for _, thread in seen[-len(expected) :]}) == 2

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from vocoder_service.checkpoint import GeneratorCheckpoint, load_generator, resolve_checkpoint
+from vocoder_service.chunking import ForwardShape
 from vocoder_service.hifigan import Generator, HifiGanConfig
 from vocoder_service.streaming import StreamingGenerator, initial_state
 
@@ -102,6 +103,20 @@ class Backend:
             )
             self.run_stream(mel, state, final=True)
 
+    @property
+    def compiles_per_shape(self) -> bool:
+        """Whether the first forward of each input shape pays for compiling it (oneDNN's
+        primitives on the CPU), so that a service warms the shapes its streams will use."""
+        return False
+
+    def warmup_shapes(self, shapes: list[ForwardShape]) -> None:
+        """A throw-away stateful forward of each shape (`ChunkPolicy.stateful_shapes`)."""
+        lag = self.receptive_field[1]
+        _, state = self.run_stream(np.zeros((1, self.num_mels, lag + 1), np.float32), None)
+        for shape in shapes:
+            mel = np.zeros((shape.streams, self.num_mels, shape.frames), np.float32)
+            self.run_streams(mel, [None if shape.fresh else state] * shape.streams, shape.final)
+
     def _check_streams(self, mel: np.ndarray, states: list) -> None:
         if mel.ndim != 3 or mel.shape[:2] != (len(states), self.num_mels):
             raise ValueError(
@@ -154,6 +169,10 @@ class TorchBackend(Backend):
     @property
     def precision(self) -> str:
         return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, "fp32")
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        return self._device.type == "cpu"
 
     def _input(self, mel: np.ndarray | torch.Tensor) -> torch.Tensor:
         """`[B, num_mels, frames]` as the height-1 2-D input `[B, num_mels, 1, frames]`."""

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from vocoder_service.playout import Pace
+
+
+class ForwardShape(NamedTuple):
+    """A stateful forward's input shape: streams stacked, new frames each, and whether it ends
+    the streams (final) or starts them (fresh: no carried state)."""
+
+    streams: int
+    frames: int
+    final: bool = False
+    fresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,22 @@ class ChunkPolicy:
     def quantised(self, frames: int) -> int:
         """`frames` rounded down to a multiple of `frame_quantum` (never below one quantum)."""
         return max(self.frame_quantum, frames - frames % self.frame_quantum)
+
+    def stateful_shapes(
+        self, lag: int, max_batch_frames: int, max_streams: int = 4
+    ) -> list[ForwardShape]:
+        """The stateful forwards this policy's streams mostly make, for warming a backend whose
+        library compiles each input shape on first use (oneDNN: 40-350 ms a shape on the
+        project's CPU): a fresh stream's first job (its own frames and `lag` of right context),
+        later jobs in whole quanta up to the shared cap, stacked up to `max_streams` streams
+        within `max_batch_frames`, and final jobs (always under a quantum, see
+        `VocoderStream`). Longer jobs (a stream alone), larger stacks and a short input's only
+        job compile when they first come."""
+        shapes = [ForwardShape(1, self.first_chunk_frames + lag, fresh=True)]
+        for frames in range(self.frame_quantum, self.cap(shared=True) + 1, self.frame_quantum):
+            stack = max(1, min(max_streams, max_batch_frames // frames))
+            shapes += [ForwardShape(n, frames) for n in range(1, stack + 1)]
+        return shapes + [ForwardShape(1, n, final=True) for n in range(self.frame_quantum)]
 
     def _floor(self, shared: bool, pace: Pace | None) -> int:
         """Fewest frames a job takes: the first chunk's, and enough to keep up; at most the cap."""

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -135,9 +136,25 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         )
 
     def warmup(self) -> None:
-        """A throw-away forward on each backend, in the mode its streams will use."""
+        """A throw-away forward on each backend, in the mode its streams will use; where the
+        backend compiles each input shape, one of each shape its streams mostly use, spread
+        over the workers (so that the first streams do not wait for the compiler)."""
         for backend in {id(b): b for b in self.backends.values()}.values():
-            backend.warmup(stateful=self.stateful(backend))
+            stateful = self.stateful(backend)
+            backend.warmup(stateful=stateful)
+            if not (stateful and backend.compiles_per_shape):
+                continue
+            shapes = self.policy.stateful_shapes(
+                backend.receptive_field[1],
+                self.max_batch_frames or default_batch_frames(backend),
+            )
+            with ThreadPoolExecutor(self.workers) as pool:
+                list(
+                    pool.map(
+                        backend.warmup_shapes,
+                        [shapes[i :: self.workers] for i in range(self.workers)],
+                    )
+                )
 
     async def close(self) -> None:
         for batcher in self._batchers.values():

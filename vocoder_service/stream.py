@@ -227,8 +227,19 @@ class VocoderStream:
             if self.input.ended or self._tail_pending:
                 end = self.input.frames_received if self.input.ended else self.input.boundary_frames
                 count = end - self._scheduled
-                if count > max(limit, self.context_right + 1):  # long input: capped jobs first
-                    jobs.append(self._make_stateful_job(max(limit, self.context_right + 1)))
+                # Jobs before the final one are as long as ever (a fresh stream's first, then
+                # whole quanta), and the final one takes under a quantum: so few input shapes
+                # meet a backend that compiles each (`ChunkPolicy.stateful_shapes`), at the
+                # cost of one more forward per stream. A short input from a fresh state goes in
+                # one final job.
+                first = self.policy.min_frames(self._next_job, shared, pace) + self._lag()
+                body = count - count % self.policy.frame_quantum
+                if self._fresh and count > first:
+                    jobs.append(self._make_stateful_job(first))
+                    pace = pace and pace.after(jobs[-1].num_frames)
+                    continue
+                if not self._fresh and body:
+                    jobs.append(self._make_stateful_job(self.policy.quantised(min(body, limit))))
                     pace = pace and pace.after(jobs[-1].num_frames)
                     continue
                 self._tail_pending = False
