@@ -376,3 +376,38 @@ def test_a_stream_whose_chunk_does_not_fit_keeps_its_later_ones_back():
 
     taken, urgent_job = asyncio.run(main())
     assert taken == [urgent_job]
+
+
+def test_streams_that_do_not_stack_go_to_different_workers():
+    """A forward carries the most urgent stream and the streams whose chunks stack with it
+    (equal new frames); the others wait for the next free worker instead of running after them
+    in the same forward, which would hold them all until the last is done."""
+    from vocoder_service.checkpoint import resolve_checkpoint
+
+    config = resolve_checkpoint().config
+
+    def later_job(frames_per_job: int, runs_out_in_s: float):
+        s = VocoderStream(
+            config,
+            policy=ChunkPolicy(
+                first_chunk_frames=frames_per_job, growth=1.0, max_chunk_frames=frames_per_job
+            ),
+            stateful=True,
+        )
+        s.push_mel(np.zeros((80, 200), np.float32))
+        playing(s, runs_out_in_s)
+        return s.ready()[1]
+
+    async def main(workers):
+        backend = StatefulRecordingBackend(seconds=0.05)
+        batcher = Batcher(backend, max_batch_frames=64, workers=workers)
+        urgent, a, b = later_job(16, 0.1), later_job(8, 0.2), later_job(8, 0.3)
+        batcher.start()
+        await asyncio.gather(*[batcher.submit(j) for j in (urgent, a, b)])
+        await batcher.close()
+        return backend
+
+    backend = asyncio.run(main(2))
+    assert backend.forwards == [(1, 16), (2, 8)] and backend.max_at_once == 2
+    backend = asyncio.run(main(1))
+    assert backend.forwards == [(1, 16), (2, 8)] and backend.max_at_once == 1

@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 
 from vocoder_service.backends import Backend
-from vocoder_service.jobs import Job, can_extend, joined, split_joined, vocode_jobs
+from vocoder_service.jobs import Job, can_extend, joined, split_joined, stack_key, vocode_jobs
 
 
 @dataclass(frozen=True)
@@ -177,27 +177,43 @@ class Batcher:
                     break
                 started = time.perf_counter()
                 runs, rest = self._join(batch, rest, started)
-                self._pending = rest + busy
+                runs, joints, later = self._one_stack(runs)
+                self._pending = rest + busy + later
                 streams = {id(run[0].job.stream) for run in runs}
                 self._busy |= streams
-                task = asyncio.get_running_loop().create_task(self._forward(runs, started))
+                task = asyncio.get_running_loop().create_task(self._forward(runs, joints, started))
                 self._forwards.add(task)
                 task.add_done_callback(partial(self._forward_done, streams))
+
+    @staticmethod
+    def _one_stack(
+        runs: list[list[_Pending]],
+    ) -> tuple[list[list[_Pending]], list[Job], list[_Pending]]:
+        """The runs (each joined into one job) that share the most urgent run's forward, and
+        the jobs of the others, which wait for the next free worker. Stateful runs share a
+        forward only when they stack (`stack_key`); run one after another in one forward they
+        would hold every stream in it until the last is done, while another worker could have
+        taken them. Windowed runs all go (they batch with padding)."""
+        joints = [joined([p.job for p in run]) for run in runs]
+        if not joints[0].stateful:
+            return runs, joints, []
+        key = stack_key(joints[0])
+        keep = [i for i, joint in enumerate(joints) if stack_key(joint) == key]
+        later = [p for i, run in enumerate(runs) if i not in keep for p in run]
+        return [runs[i] for i in keep], [joints[i] for i in keep], later
 
     def _forward_done(self, streams: set[int], task: asyncio.Task) -> None:
         self._forwards.discard(task)
         self._busy -= streams
         self._wake.set()  # the streams' next jobs may go, and a worker is free
 
-    async def _forward(self, runs: list[list[_Pending]], started: float) -> None:
-        """One forward over the runs' jobs on a worker thread; each job's future gets its audio."""
+    async def _forward(self, runs: list[list[_Pending]], joints: list[Job], started: float) -> None:
+        """One forward over the runs' jobs (each run joined into `joints`) on a worker thread;
+        each job's future gets its audio."""
         batch = [p for run in runs for p in run]
         try:
             run_audio = await asyncio.get_running_loop().run_in_executor(
-                self._executor,
-                vocode_jobs,
-                self.backend,
-                [joined([p.job for p in run]) for run in runs],
+                self._executor, vocode_jobs, self.backend, joints
             )
             audio = [
                 a

@@ -158,6 +158,16 @@ def vocode_jobs(
     return out  # type: ignore[return-value]
 
 
+def stack_key(job: Job) -> object:
+    """What stateful jobs of different streams share when they run in one forward: their new
+    frames and a fresh or a carried state of the same shapes. A final job (its tail ends the
+    state) and a windowed job have keys of their own."""
+    if job.final or not job.stateful:
+        return ("alone", id(job))
+    state = job.stream.state
+    return (job.window_frames, None if state is None else tuple(tuple(t.shape[1:]) for t in state))
+
+
 def _stateful_groups(jobs: list[Job]) -> list[list[int]]:
     """Stateful job indices in forwards: all in list order, one at a time, when a stream has
     more than one job here; else grouped by what lets streams stack (new frames, a fresh or a
@@ -167,8 +177,5 @@ def _stateful_groups(jobs: list[Job]) -> list[list[int]]:
         return [[i] for i in stateful]
     groups: dict[object, list[int]] = {}
     for i in stateful:
-        job, state = jobs[i], jobs[i].stream.state
-        shapes = None if state is None else tuple(tuple(t.shape[1:]) for t in state)
-        key = ("final", i) if job.final else (job.window_frames, shapes)
-        groups.setdefault(key, []).append(i)
+        groups.setdefault(stack_key(jobs[i]), []).append(i)
     return list(groups.values())
