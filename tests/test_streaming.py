@@ -599,3 +599,29 @@ def test_stream_jobs_keep_to_the_warmed_shapes(backend, mel, length):
     chunks = [stream.complete(j, a) for j, a in zip(jobs, vocode_jobs(backend, jobs))]
     audio = check_contiguous(chunks, length * HOP)
     assert snr_db(audio, backend.run(m[None])[0]) >= 40
+
+
+def test_bf16_stream_keeps_every_convolution_input_channels_last(monkeypatch, mel):
+    """The CPU bf16 generator runs channels last: a layer whose input came out in the plain
+    layout (an empty buffer or a one-sample state joined in front of it) converts it back
+    inside oneDNN on every call, a third of a streamed call's time."""
+    import vocoder_service.streaming as streaming
+
+    backend = TorchBackend(bf16=True)
+    layouts = []
+
+    def recording(op):
+        def run(layer, x, padding):
+            layouts.append(x.is_contiguous(memory_format=torch.channels_last))
+            return op(layer, x, padding)
+
+        return run
+
+    monkeypatch.setattr(streaming, "conv", recording(streaming.conv))
+    monkeypatch.setattr(streaming, "conv_transpose", recording(streaming.conv_transpose))
+    right = backend.receptive_field[1]
+    _, state = backend.run_stream(mel[None, :, : right + 4], None)
+    for frames in (1, 4, 8):  # a state carried from call to call
+        _, state = backend.run_stream(mel[None, :, :frames], state)
+    stacked, _ = backend.run_streams(np.stack([mel[:, :8]] * 2), [state, state])
+    assert len(layouts) > 4 * 80 and all(layouts), [i for i, ok in enumerate(layouts) if not ok]
