@@ -169,15 +169,25 @@ def padding_of(layer: nn.Module) -> int:
     return padding[-1]
 
 
+def activated(x: torch.Tensor, slope: float | None) -> torch.Tensor:
+    """Leaky ReLU of negative slope `slope` (None: `x` as it is)."""
+    return x if slope is None else F.leaky_relu(x, slope)
+
+
 class Offline:
     """How the generator's layers run on a whole utterance: every convolution zero-padded on
     both sides. The stateful streaming rendering (`streaming.Streaming`) has the same methods."""
 
-    def conv(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return conv(cast(nn.Conv1d, layer), x, padding_of(layer))
+    def conv(self, layer: nn.Module, x: torch.Tensor, slope: float | None = None) -> torch.Tensor:
+        """`layer` on `x`, after a leaky ReLU of negative slope `slope` where one is given."""
+        return conv(cast(nn.Conv1d, layer), activated(x, slope), padding_of(layer))
 
-    def conv_transpose(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return conv_transpose(cast(nn.ConvTranspose1d, layer), x, padding_of(layer))
+    def conv_transpose(
+        self, layer: nn.Module, x: torch.Tensor, slope: float | None = None
+    ) -> torch.Tensor:
+        return conv_transpose(
+            cast(nn.ConvTranspose1d, layer), activated(x, slope), padding_of(layer)
+        )
 
     def residual(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return x + t
@@ -210,8 +220,8 @@ class ResBlock1(nn.Module):
 
     def forward(self, x: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
         for c1, c2 in zip(self.convs1, self.convs2):
-            t = layers.conv(c1, F.leaky_relu(x, LRELU_SLOPE))
-            x = layers.residual(x, layers.conv(c2, F.leaky_relu(t, LRELU_SLOPE)))
+            t = layers.conv(c1, x, LRELU_SLOPE)
+            x = layers.residual(x, layers.conv(c2, t, LRELU_SLOPE))
         return x
 
 
@@ -231,7 +241,7 @@ class ResBlock2(nn.Module):
 
     def forward(self, x: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
         for c in self.convs:
-            x = layers.residual(x, layers.conv(c, F.leaky_relu(x, LRELU_SLOPE)))
+            x = layers.residual(x, layers.conv(c, x, LRELU_SLOPE))
         return x
 
 
@@ -282,11 +292,11 @@ class Generator(nn.Module):
     def forward(self, mel: torch.Tensor, layers: Offline = OFFLINE) -> torch.Tensor:
         x = layers.conv(self.conv_pre, mel)
         for i, up in enumerate(self.ups):
-            x = layers.conv_transpose(up, F.leaky_relu(x, LRELU_SLOPE))
+            x = layers.conv_transpose(up, x, LRELU_SLOPE)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
             x = layers.average([b(x, layers) for b in blocks], self.lagging)
         # the reference uses leaky_relu's default slope (0.01) here, not LRELU_SLOPE
-        x = layers.conv(self.conv_post, F.leaky_relu(x, 0.01))
+        x = layers.conv(self.conv_post, x, 0.01)
         return torch.tanh(x)
 
     def remove_weight_norm(self) -> Generator:

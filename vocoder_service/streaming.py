@@ -34,7 +34,14 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from vocoder_service.hifigan import Generator, HifiGanConfig, conv, conv_transpose, padding_of
+from vocoder_service.hifigan import (
+    Generator,
+    HifiGanConfig,
+    activated,
+    conv,
+    conv_transpose,
+    padding_of,
+)
 
 
 class Streaming:
@@ -54,20 +61,20 @@ class Streaming:
         self.initial_state.append(initial())
         return self.initial_state[-1]
 
-    def conv(self, layer: nn.Module, x: Tensor) -> Tensor:
+    def conv(self, layer: nn.Module, x: Tensor, slope: float | None = None) -> Tensor:
         half = padding_of(layer)
-        xc = _joined(self._carried(lambda: _zeros(x, half)), x)
+        xc = _joined(self._carried(lambda: _zeros(x, half)), x, slope)
         self.next_state.append(_tail(xc, 2 * half))
         if self.final:
             xc = torch.nn.functional.pad(xc, (0, half))
         return conv(cast(nn.Conv1d, layer), xc, 0)
 
-    def conv_transpose(self, module: nn.Module, x: Tensor) -> Tensor:
+    def conv_transpose(self, module: nn.Module, x: Tensor, slope: float | None = None) -> Tensor:
         layer = cast(nn.ConvTranspose1d, module)
         stride, padding = layer.stride[-1], padding_of(layer)
         history = math.ceil(layer.kernel_size[-1] / stride) - 1  # input columns kept
         new = x.shape[-1]
-        xc = _joined(self._carried(lambda: _zeros(x, history)), x)
+        xc = _joined(self._carried(lambda: _zeros(x, history)), x, slope)
         skip = self._carried(lambda: x.new_zeros((1,) * (x.dim() - 1) + (padding,)))
         self.next_state += [_tail(xc, history), skip[..., :0]]
         if self.final:
@@ -146,27 +153,36 @@ def _zeros(like: Tensor, length: int) -> Tensor:
     ).zero_()
 
 
-def _joined(first: Tensor, then: Tensor) -> Tensor:
-    """`first` then `then` along time, channels last where either is. `torch.cat` gives its
-    result the first input's layout, plain for an empty or one-sample tensor, and every
-    convolution after a plain one converted its input back (on the CPU in bf16, a third of a
-    streamed call's time); an empty part is skipped, not copied. An exported graph always
-    joins: its buffers' lengths are inputs, not constants."""
+def _joined(first: Tensor, then: Tensor, slope: float | None = None) -> Tensor:
+    """`first` then `then` along time, `then` through a leaky ReLU of negative slope `slope`
+    where one is given (a layer's carried input is kept activated): one pass over `then`.
+
+    Channels last where either part is: `torch.cat` gives its result the first input's
+    layout, plain for an empty or one-sample tensor, and every convolution after a plain one
+    converted its input back (on the CPU in bf16, a third of a streamed call's time). An empty
+    part is skipped, not copied. An exported graph always joins: its buffers' lengths are
+    inputs, not constants."""
     if torch.jit.is_tracing():
-        return torch.cat([first, then], -1)
+        return torch.cat([first, activated(then, slope)], -1)
     if not first.shape[-1]:
-        return then
+        return activated(then, slope)
     if not then.shape[-1]:
         return first
     if not (_channels_last(first) or _channels_last(then)):
-        return torch.cat([first, then], -1)
+        return torch.cat([first, activated(then, slope)], -1)
+    n = first.shape[-1]
     out = torch.empty(
-        (*then.shape[:-1], first.shape[-1] + then.shape[-1]),
+        (*then.shape[:-1], n + then.shape[-1]),
         dtype=then.dtype,
         device=then.device,
         memory_format=torch.channels_last,
     )
-    return torch.cat([first, then], -1, out=out)
+    out[..., :n].copy_(first)
+    if slope is None:
+        out[..., n:].copy_(then)
+    else:
+        torch._C._nn.leaky_relu(then, slope, out=out[..., n:])
+    return out
 
 
 def _tail(x: Tensor, n: int) -> Tensor:
