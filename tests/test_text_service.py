@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 from splittts.text.v1 import text_pb2 as pb, text_pb2_grpc
 from tests.hf_models import make_tiny_model
 from tests.procs import ServiceProcess, metric_value
-from text_service.server import UNBATCHED_TOKENS, StreamChunks
+from text_service.server import StreamChunks
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 VOCAB = 256
@@ -89,45 +89,30 @@ def test_greedy_stream_equals_offline_engine(service, model_dir):
 
 def test_stream_chunks_ramp_up_after_an_immediate_first_token(service):
     prompt = pb.TokenIds(ids=[5, 17, 42, 99])
-    n = UNBATCHED_TOKENS + 40
-    plain, _, _ = generate(service, token_ids=prompt, max_tokens=n, ignore_eos=True)
+    plain, _, _ = generate(service, token_ids=prompt, max_tokens=40, ignore_eos=True)
     tokens, last, responses = generate(
-        service, token_ids=prompt, max_tokens=n, ignore_eos=True, stream_chunk_tokens=20
+        service, token_ids=prompt, max_tokens=40, ignore_eos=True, stream_chunk_tokens=20
     )
     sizes = [len(r.token_ids) for r in responses[:-1]]
-    assert tokens == plain and sum(sizes) == n
-    # the first tokens leave as they are sampled (a message holds what the engine made since
-    # the last one), not after 20; once UNBATCHED_TOKENS have left, messages wait for at least
-    # 2, 4, 8, 16, then 20 tokens (the last takes what is left)
-    early = next(i for i in range(len(sizes)) if sum(sizes[: i + 1]) >= UNBATCHED_TOKENS) + 1
-    assert early > 4 and max(sizes[:early]) < 20
-    later = sizes[early:-1]
-    assert later and all(k >= min(20, 2 ** (i + 1)) for i, k in enumerate(later))
+    assert tokens == plain and sum(sizes) == 40
+    # the first message leaves with whatever the first step(s) made, not after 20 tokens; then
+    # messages wait for at least 2, 4, 8, 16, then 20 tokens (the last takes what is left)
+    assert sizes[0] < 20 and len(sizes) >= 2
+    assert all(n >= min(20, 2**i) for i, n in enumerate(sizes[:-1]))
     assert [r.first_token_index for r in responses[:-1]] == [
         sum(sizes[:i]) for i in range(len(sizes))
     ]
 
 
 def test_stream_chunk_sizes_ramp_from_one_token_to_the_most():
-    def sizes_of(chunks: StreamChunks, steps: int, per_step: int = 1) -> tuple[list[int], int]:
-        sizes, pending = [], 0
-        for _ in range(steps):
-            pending += per_step
-            if chunks.ready(pending, done=False):
-                sizes.append(pending)
-                chunks.sent(pending)
-                pending = 0
-        return sizes, pending
-
-    # one token per engine step: the first tokens (what a first audio chunk waits for) leave
-    # at once, then messages grow to the most
-    sizes, pending = sizes_of(StreamChunks(8, unbatched=4), 40)
-    assert sizes == [1, 1, 1, 1, 2, 4, 8, 8, 8] and pending == 6
-    assert sizes_of(StreamChunks(8), UNBATCHED_TOKENS)[0] == [1] * UNBATCHED_TOKENS
-    assert sizes_of(StreamChunks(8, unbatched=0), 40) == ([1, 2, 4, 8, 8, 8, 8], 1)
-    # a step that samples several tokens sends them together
-    assert sizes_of(StreamChunks(8, unbatched=4), 3, per_step=3)[0] == [3, 3, 3]
-    chunks = StreamChunks(8, unbatched=0)
+    chunks, sizes, pending = StreamChunks(8), [], 0
+    for _ in range(40):  # one token per engine step
+        pending += 1
+        if chunks.ready(pending, done=False):
+            sizes.append(pending)
+            pending = 0
+            chunks.sent()
+    assert sizes == [1, 2, 4, 8, 8, 8, 8] and pending == 1
     assert chunks.ready(1, done=True) and not chunks.ready(0, done=True)
     assert [StreamChunks(n).most for n in (0, 1, -3)] == [1, 1, 1]
 

@@ -81,32 +81,20 @@ def _phoneme_sync(request: pb.GenerateRequest) -> PhonemeSync | None:
     )
 
 
-# Tokens of a stream that leave as soon as they are sampled, before messages start to batch:
-# a speech voice's first audio waits for its first ~20 tokens (the default voice's: 13 speech
-# tokens for the vocoder's first chunk and its lookahead, and their phonemes), and batching
-# them held the last of those back for up to 8 engine steps (about 5 ms at 1 stream).
-UNBATCHED_TOKENS = 32
-
-
 class StreamChunks:
-    """When a Generate stream's pending tokens leave: the first `unbatched` tokens as soon as
-    they are sampled (the first is the TTFT), then messages of at least 2, 4, ... tokens up to
-    `most`. The tokens the first audio waits for are not held back behind a full message, and
-    later tokens travel in few messages."""
+    """When a Generate stream's pending tokens leave: the first token at once (it is the TTFT),
+    then messages of at least 2, 4, ... tokens up to `most`. The tokens the first audio waits
+    for are not held back behind a full message, and later tokens travel in few messages."""
 
-    def __init__(self, most: int, unbatched: int = UNBATCHED_TOKENS):
+    def __init__(self, most: int):
         self.most = max(1, most)
-        self.unbatched = unbatched
         self.target = 1
-        self.total = 0  # tokens sent so far
 
     def ready(self, pending: int, done: bool) -> bool:
-        return pending > 0 and (pending >= self.target or done or self.total < self.unbatched)
+        return pending > 0 and (pending >= self.target or done)
 
-    def sent(self, count: int) -> None:
-        self.total += count
-        if self.total >= self.unbatched:
-            self.target = min(self.most, 2 * self.target)
+    def sent(self) -> None:
+        self.target = min(self.most, 2 * self.target)
 
 
 class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
@@ -231,8 +219,8 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     if first_sent is None:
                         first_sent = time.perf_counter()
                     sent += len(pending)
-                    chunks.sent(len(pending))
                     pending = []
+                    chunks.sent()
                 if done:
                     break
         except asyncio.CancelledError:
