@@ -210,6 +210,47 @@ def rotary(
     )
 
 
+def _channels_last_rows(*tensors: Tensor) -> bool:
+    """[B, C, 1, T] tensors whose batches each hold T x C contiguous values (channels last)."""
+    return all(
+        t.dim() == 4
+        and t.shape[2] == 1
+        and (t.shape[1] == 1 or t.stride(1) == 1)
+        and (t.shape[3] <= 1 or t.stride(3) == t.shape[1])
+        for t in tensors
+    )
+
+
+def join_channels_last(first: Tensor, then: Tensor, slope: float | None = None) -> Tensor:
+    """`torch.cat([first, leaky_relu(then, slope)], -1)` of `[B, C, 1, T]` tensors (no
+    activation without a slope) in channels-last layout, in one pass over `then`; the result is
+    channels last whatever the inputs' layouts (the compiled kernel where both are)."""
+    if _compiled(first, then) and _channels_last_rows(first, then) and build() is None:
+        return torch.ops.splittts_kernels.join_channels_last(
+            first, then, 1.0 if slope is None else slope
+        )
+    n = first.shape[-1]
+    out = torch.empty(
+        (*then.shape[:-1], n + then.shape[-1]),
+        dtype=then.dtype,
+        device=then.device,
+        memory_format=torch.channels_last,
+    )
+    out[..., :n].copy_(first)
+    if slope is None:
+        out[..., n:].copy_(then)
+    else:
+        torch._C._nn.leaky_relu(then, slope, out=out[..., n:])
+    return out
+
+
+def add_channels_last(x: Tensor, y: Tensor) -> Tensor:
+    """`x + y` of `[B, C, 1, T]` tensors, channels last (the compiled kernel where both are)."""
+    if _compiled(x, y) and x.shape == y.shape and _channels_last_rows(x, y) and build() is None:
+        return torch.ops.splittts_kernels.add_channels_last(x, y)
+    return x + y
+
+
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 

@@ -343,3 +343,41 @@ def test_rotary_matches_reference(dtype, head_dim, rotary_dim) -> None:
     assert kernels.get_ops("cpu").rotary is cpu_ext.rotary
     with pytest.raises(ValueError, match="outside the cos/sin table"):
         cpu_ext.rotary(torch.tensor([0, 1, 2, 3, 600]), q, k, cache, rotary_dim)
+
+
+def channels_last(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    x = torch.randn(*shape)
+    x[0, 0, 0, :4] = torch.tensor([float("nan"), -0.0, 0.0, -3.0])[: shape[-1]]
+    return x.to(dtype).contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch,channels,head,new", [(1, 32, 10, 8192), (3, 64, 2, 33), (2, 1, 1, 5)]
+)
+def test_channels_last_join_and_add_equal_torch(dtype, batch, channels, head, new) -> None:
+    """A vocoder layer's carried input joined to its new input through a leaky ReLU, and the
+    residual sum, of `[B, C, 1, T]` channels-last tensors: torch's values (the same rounding to
+    bf16, NaN aside) in channels-last layout, with a carried part that is a slice of a longer
+    tensor and lengths off the vector width."""
+    first = channels_last(batch, channels, 1, head + 7, dtype=dtype)[..., 7:]
+    then = channels_last(batch, channels, 1, new, dtype=dtype)
+    for slope in (0.1, None):
+        joined = cpu_ext.join_channels_last(first, then, slope)
+        act = then if slope is None else torch.nn.functional.leaky_relu(then, slope)
+        want = torch.cat([first, act], -1)
+        assert torch.equal(joined.nan_to_num(), want.nan_to_num())
+        assert joined.isnan().sum() == want.isnan().sum()
+        assert joined.is_contiguous(memory_format=torch.channels_last)
+    total = cpu_ext.add_channels_last(joined[..., head:], then)
+    assert torch.equal(total.nan_to_num(), (joined[..., head:] + then).nan_to_num())
+    assert total.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_channels_last_join_of_plain_tensors_uses_torch() -> None:
+    first, then = torch.randn(2, 8, 1, 3), torch.randn(2, 8, 1, 5)  # plain layout
+    joined = cpu_ext.join_channels_last(first, then, 0.2)
+    assert torch.equal(joined, torch.cat([first, torch.nn.functional.leaky_relu(then, 0.2)], -1))
+    assert joined.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="channels-last layout"):
+        torch.ops.splittts_kernels.join_channels_last(first, then, 0.2)

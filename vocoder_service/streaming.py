@@ -34,6 +34,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from kernels import cpu_ext
 from vocoder_service.hifigan import (
     Generator,
     HifiGanConfig,
@@ -89,6 +90,8 @@ class Streaming:
         xc = _joined(self._carried(lambda: _zeros(x, 0)), x)
         length = t.shape[-1]
         self.next_state.append(xc[..., length:])
+        if _channels_last(t) and not torch.jit.is_tracing():
+            return cpu_ext.add_channels_last(xc[..., :length], t)
         return xc[..., :length] + t
 
     def average(self, branches: list[Tensor], lagging: int) -> Tensor:
@@ -170,19 +173,7 @@ def _joined(first: Tensor, then: Tensor, slope: float | None = None) -> Tensor:
         return first
     if not (_channels_last(first) or _channels_last(then)):
         return torch.cat([first, activated(then, slope)], -1)
-    n = first.shape[-1]
-    out = torch.empty(
-        (*then.shape[:-1], n + then.shape[-1]),
-        dtype=then.dtype,
-        device=then.device,
-        memory_format=torch.channels_last,
-    )
-    out[..., :n].copy_(first)
-    if slope is None:
-        out[..., n:].copy_(then)
-    else:
-        torch._C._nn.leaky_relu(then, slope, out=out[..., n:])
-    return out
+    return cpu_ext.join_channels_last(first, then, slope)
 
 
 def _tail(x: Tensor, n: int) -> Tensor:
