@@ -572,6 +572,40 @@ def test_stateful_shapes_cover_first_quantised_and_final_forwards():
     assert len(set(shapes)) == len(shapes)
 
 
+def test_a_stream_alone_starts_with_its_own_first_chunk(backend, mel):
+    """Alone on the generator a stream's first job takes `first_chunk_frames_alone` new
+    frames (heard sooner); shared it takes `first_chunk_frames`; job 1 grows from
+    `first_chunk_frames` either way, both first shapes are warmed, and the audio of a stream
+    that started alone still equals offline synthesis."""
+    policy = ChunkPolicy(first_chunk_frames=4, growth=2.0, first_chunk_frames_alone=1)
+    assert [policy.min_frames(i) for i in range(3)] == [1, 8, 16]
+    assert [policy.min_frames(i, shared=True) for i in range(3)] == [4, 8, 16]
+    assert ChunkPolicy(first_chunk_frames=4).min_frames(0) == 4  # unset: as ever
+    right = backend.receptive_field[1]
+    fresh = [s.frames for s in policy.stateful_shapes(right, 64) if s.fresh]
+    assert fresh == [1 + right, 4 + right]
+
+    def first_job(shared: bool):
+        stream = VocoderStream(backend.config, policy=policy, stateful=True)
+        jobs = []
+        for i in range(mel.shape[1]):
+            stream.push_mel(mel[:, i : i + 1])
+            jobs += stream.ready(shared=shared)
+        return stream, jobs
+
+    assert first_job(shared=True)[1][0].num_frames == 4 + right
+    stream, jobs = first_job(shared=False)
+    assert [j.num_frames for j in jobs[:3]] == [1 + right, 8, 16]
+    stream.flush()
+    jobs += stream.ready()
+    chunks = [stream.complete(j, a) for j, a in zip(jobs, vocode_jobs(backend, jobs))]
+    assert chunks[0].num_samples < 2 * HOP  # about a frame of audio, first
+    audio = check_contiguous(chunks, mel.shape[1] * HOP)
+    assert snr_db(audio, backend.run(mel[None])[0]) >= 40
+    with pytest.raises(ValueError, match="first_chunk_frames_alone must be in"):
+        ChunkPolicy(first_chunk_frames_alone=0)
+
+
 @pytest.mark.parametrize("length", [9, 17, 18, 23, 41, 60])
 def test_stream_jobs_keep_to_the_warmed_shapes(backend, mel, length):
     """Whatever the pieces and the end: the first job of a stream long enough is the policy's

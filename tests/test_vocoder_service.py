@@ -355,6 +355,7 @@ def test_flush_emits_everything_received_and_keeps_the_stream_open(service):
         (("--max-batch-frames", "-5"), "max_batch_frames must be >= 1"),
         (("--max-first-batch", "-1"), "max_first_batch must be >= 1"),
         (("--first-chunk-frames", "0"), "first_chunk_frames must be >= 1"),
+        (("--first-chunk-frames-alone", "-1"), "first_chunk_frames_alone must be in [1, "),
         (("--backend", "onnx", "--bf16"), "--bf16 runs on the torch backend"),
         (("--workers", "0"), "workers must be >= 1"),
     ],

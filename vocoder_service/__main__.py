@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="new frames in a stream's first job (its time to first audio)",
     )
+    p.add_argument(
+        "--first-chunk-frames-alone",
+        type=int,
+        default=1,
+        help="new frames in a stream's first job while no other stream shares the generator "
+        "(0: as --first-chunk-frames)",
+    )
     p.add_argument("--chunk-growth", type=float, default=2.0)
     p.add_argument(
         "--max-chunk-frames",
@@ -198,6 +205,7 @@ async def run(args: argparse.Namespace) -> None:
             args.max_chunk_frames,
             args.shared_chunk_frames,
             args.buffer_share,
+            first_chunk_frames_alone=args.first_chunk_frames_alone or None,
         ),
         limits=VocoderLimits(max_streams=args.max_streams, max_audio_ahead_s=args.max_audio_ahead),
         max_batch_frames=None if args.max_batch_frames == 0 else args.max_batch_frames,

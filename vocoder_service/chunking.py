@@ -46,10 +46,22 @@ class ChunkPolicy:
     # compiles its convolutions once per input shape (tens of ms to hundreds, bench/README.md),
     # and streams whose jobs are equally long share a forward
     frame_quantum: int = 4
+    # new frames in a stream's first job while no other stream shares the generator (None: as
+    # `first_chunk_frames`). Alone, a stream's next job is not held up behind others', so its
+    # first chunk can be a single frame, heard a few speech tokens sooner; under load more small
+    # forwards at each stream's start made chunks late (bench/README.md). Job 1 grows from
+    # `first_chunk_frames` as ever.
+    first_chunk_frames_alone: int | None = None
 
     def __post_init__(self) -> None:
         if self.first_chunk_frames < 1:
             raise ValueError(f"first_chunk_frames must be >= 1 (got {self.first_chunk_frames})")
+        alone = self.first_chunk_frames_alone
+        if alone is not None and not 1 <= alone <= self.max_chunk_frames:
+            raise ValueError(
+                f"first_chunk_frames_alone must be in [1, max_chunk_frames={self.max_chunk_frames}]"
+                f" (got {alone})"
+            )
         if self.growth < 1.0:
             raise ValueError(f"growth must be >= 1 (got {self.growth})")
         if self.max_chunk_frames < self.first_chunk_frames:
@@ -81,6 +93,8 @@ class ChunkPolicy:
 
     def min_frames(self, job_index: int, shared: bool = False, pace: Pace | None = None) -> int:
         """Fewest new frames job `job_index` waits for (the end of stream excepted)."""
+        if job_index == 0 and not shared and self.first_chunk_frames_alone is not None:
+            return self.first_chunk_frames_alone
         size = round(self.first_chunk_frames * self.growth ** min(job_index, 64))
         if pace is not None:  # wait no longer than the buffer allows
             size = min(size, frames_within(pace, self.buffer_share, gather=True))
@@ -95,12 +109,13 @@ class ChunkPolicy:
     ) -> list[ForwardShape]:
         """The stateful forwards this policy's streams mostly make, for warming a backend whose
         library compiles each input shape on first use (oneDNN: 40-350 ms a shape on the
-        project's CPU): a fresh stream's first job (its own frames and `lag` of right context),
-        later jobs in whole quanta up to the shared cap, stacked up to `max_streams` streams
+        project's CPU): a fresh stream's first job (its own frames, alone or shared, and `lag`
+        of right context), later jobs in whole quanta up to the shared cap, stacked up to `max_streams` streams
         within `max_batch_frames`, and final jobs (always under a quantum, see
         `VocoderStream`). Longer jobs (a stream alone), larger stacks and a short input's only
         job compile when they first come."""
-        shapes = [ForwardShape(1, self.first_chunk_frames + lag, fresh=True)]
+        firsts = {self.first_chunk_frames, self.first_chunk_frames_alone or self.first_chunk_frames}
+        shapes = [ForwardShape(1, first + lag, fresh=True) for first in sorted(firsts)]
         for frames in range(self.frame_quantum, self.cap(shared=True) + 1, self.frame_quantum):
             stack = max(1, min(max_streams, max_batch_frames // frames))
             shapes += [ForwardShape(n, frames) for n in range(1, stack + 1)]
