@@ -110,10 +110,10 @@ class ChunkPolicy:
         """The stateful forwards this policy's streams mostly make, for warming a backend whose
         library compiles each input shape on first use (oneDNN: 40-350 ms a shape on the
         project's CPU): a fresh stream's first job (its own frames, alone or shared, and `lag`
-        of right context), later jobs in whole quanta up to the shared cap, stacked up to `max_streams` streams
-        within `max_batch_frames`, and final jobs (always under a quantum, see
-        `VocoderStream`). Longer jobs (a stream alone), larger stacks and a short input's only
-        job compile when they first come."""
+        of right context), later jobs in whole quanta up to the shared cap, stacked up to
+        `max_streams` streams within `max_batch_frames`, and final jobs (always under a
+        quantum, see `VocoderStream`). Longer jobs (a stream alone), larger stacks and a short
+        input's only job compile when they first come."""
         firsts = {self.first_chunk_frames, self.first_chunk_frames_alone or self.first_chunk_frames}
         shapes = [ForwardShape(1, first + lag, fresh=True) for first in sorted(firsts)]
         for frames in range(self.frame_quantum, self.cap(shared=True) + 1, self.frame_quantum):
