@@ -17,22 +17,55 @@ from kernels.linear import onednn_available
 
 # oneDNN picks a blocked layout for an expected input width; streaming chunks are about this long
 _WIDTH_HINT = 64
+# oneDNN blocks a conv's weight by how many outputs the call makes (its AMX bf16 convolutions on
+# the project's CPU: another blocking below 8 outputs for some layers, 32 output channels to a
+# block below 56, 64 from there). Each class: (outputs below which it applies, outputs hinted).
+WIDTH_CLASSES = ((8, 4), (56, 32), (None, _WIDTH_HINT))
 
 
 def packing_available() -> bool:
     return onednn_available() and hasattr(torch.ops.mkldnn, "_convolution_transpose_pointwise")
 
 
-def pack_conv_weight(weight: Tensor, dilation: int = 1) -> Tensor:
-    """oneDNN's layout of a height-1 conv weight `[out, in, 1, k]`, for `conv2d`."""
-    return torch.ops.mkldnn._reorder_convolution_weight(
-        weight.detach().contiguous(),
-        [0, 0],
-        [1, 1],
-        [1, dilation],
-        1,
-        [1, weight.shape[1], 1, _WIDTH_HINT],
-    )
+class PackedConv:
+    """A height-1 conv weight `[out, in, 1, k]` in oneDNN's layout, once per width class met. A
+    weight packed for one class is re-blocked on every call of another: up to 120 us a conv, a
+    third of a streamed HiFi-GAN V1 call on a 4-frame chunk. The wide class is packed at once,
+    the others when first used."""
+
+    def __init__(self, weight: Tensor, dilation: int = 1):
+        self.weight = weight.detach().contiguous()
+        self.dilation = dilation
+        self.span = (weight.shape[-1] - 1) * dilation  # inputs beyond outputs
+        self._packed: dict[int, Tensor] = {}
+        self.for_outputs(1 << 30)
+
+    def for_outputs(self, outputs: int) -> Tensor:
+        """The packing for a call making `outputs` samples."""
+        hint = next(h for below, h in WIDTH_CLASSES if below is None or outputs < below)
+        packed = self._packed.get(hint)
+        if packed is None:  # two threads may both pack: equal tensors, one kept
+            packed = self._packed.setdefault(hint, self._reorder(hint))
+        return packed
+
+    def _reorder(self, outputs: int) -> Tensor:
+        return torch.ops.mkldnn._reorder_convolution_weight(
+            self.weight,
+            [0, 0],
+            [1, 1],
+            [1, self.dilation],
+            1,
+            [1, self.weight.shape[1], 1, outputs + self.span],
+        )
+
+    @property
+    def is_mkldnn(self) -> bool:
+        return all(p.is_mkldnn for p in self._packed.values())
+
+
+def pack_conv_weight(weight: Tensor, dilation: int = 1) -> PackedConv:
+    """oneDNN's layouts of a height-1 conv weight `[out, in, 1, k]`, for `conv2d`."""
+    return PackedConv(weight, dilation)
 
 
 def pack_conv_transpose_weight(weight: Tensor, stride: int) -> Tensor:
@@ -49,10 +82,21 @@ def pack_conv_transpose_weight(weight: Tensor, stride: int) -> Tensor:
     )
 
 
-def conv2d(x: Tensor, packed: Tensor, bias: Tensor | None, padding: int, dilation: int) -> Tensor:
+def conv2d(
+    x: Tensor, packed: PackedConv, bias: Tensor | None, padding: int, dilation: int
+) -> Tensor:
     """`F.conv2d(x, w, bias, padding=(0, padding), dilation=(1, dilation))` on a packed `w`."""
     return torch.ops.mkldnn._convolution_pointwise(
-        x, packed, bias, [0, padding], [1, 1], [1, dilation], 1, "none", [], ""
+        x,
+        packed.for_outputs(x.shape[-1] + 2 * padding - packed.span),
+        bias,
+        [0, padding],
+        [1, 1],
+        [1, dilation],
+        1,
+        "none",
+        [],
+        "",
     )
 
 

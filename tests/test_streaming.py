@@ -659,3 +659,24 @@ def test_bf16_stream_keeps_every_convolution_input_channels_last(monkeypatch, me
         _, state = backend.run_stream(mel[None, :, :frames], state)
     stacked, _ = backend.run_streams(np.stack([mel[:, :8]] * 2), [state, state])
     assert len(layouts) > 4 * 80 and all(layouts), [i for i, ok in enumerate(layouts) if not ok]
+
+
+def test_bf16_stream_reblocks_no_weight_per_call(capfd, mel):
+    """Each convolution's weight is packed for the width classes of outputs it meets and the
+    call picks the one oneDNN runs, so a streamed call re-blocks no weight (oneDNN's own log of what it
+    runs): a weight packed for another width class was reordered on every call, up to a third
+    of a 4-frame call's time."""
+    backend = TorchBackend(bf16=True)
+    right = backend.receptive_field[1]
+    _, state = backend.run_stream(mel[None, :, : right + 8], None)
+    for frames in (4, 32, 8):
+        _, state = backend.run_stream(mel[None, :, :frames], state)  # compiled, not logged
+    backend.run_streams(np.stack([mel[:, :8]] * 2), [state, state])
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        for frames in (4, 32):
+            _, state = backend.run_stream(mel[None, :, :frames], state)
+        backend.run_streams(np.stack([mel[:, :8]] * 2), [state, state])
+    log = [line for line in capfd.readouterr().out.splitlines() if ",primitive,exec," in line]
+    assert sum(",convolution," in line for line in log) >= 3 * 70, len(log)
+    assert not [line for line in log if ",reorder," in line]

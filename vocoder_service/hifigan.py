@@ -307,16 +307,16 @@ class Generator(nn.Module):
         return self
 
     def pack_for_onednn(self) -> Generator:
-        """Pack every convolution's weight once into oneDNN's layout for `[B, C, 1, T]` inputs
-        (best in channels-last layout): a plain 2-D conv re-blocks its weight on every call,
-        which on short streaming chunks costs more than the convolution (`kernels.onednn_conv`).
+        """Pack every convolution's weight into oneDNN's layout for `[B, C, 1, T]` inputs (best
+        in channels-last layout; a conv's once per width class of outputs): a plain 2-D conv
+        re-blocks its weight on every call, which on short streaming chunks costs more than the
+        convolution (`kernels.onednn_conv`).
         CPU only; call after `remove_weight_norm` and the final `.to(dtype)`. 1-D inputs keep
         the plain weights; the packed ones are not part of the state dict."""
         for m in self.modules():
             if isinstance(m, nn.Conv1d):
-                m.packed_weight = onednn_conv.pack_conv_weight(
-                    m.weight.unsqueeze(2), m.dilation[-1]
-                )
+                packed = onednn_conv.pack_conv_weight(m.weight.unsqueeze(2), m.dilation[-1])
+                m.packed_weight = packed  # type: ignore[assignment]  # one per width class met
             elif isinstance(m, nn.ConvTranspose1d):
                 m.packed_weight = onednn_conv.pack_conv_transpose_weight(
                     m.weight.unsqueeze(2), m.stride[-1]
