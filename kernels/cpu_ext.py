@@ -244,11 +244,23 @@ def join_channels_last(first: Tensor, then: Tensor, slope: float | None = None) 
     return out
 
 
-def add_channels_last(x: Tensor, y: Tensor) -> Tensor:
-    """`x + y` of `[B, C, 1, T]` tensors, channels last (the compiled kernel where both are)."""
-    if _compiled(x, y) and x.shape == y.shape and _channels_last_rows(x, y) and build() is None:
-        return torch.ops.splittts_kernels.add_channels_last(x, y)
-    return x + y
+def add_joined_(t: Tensor, first: Tensor, then: Tensor) -> Tensor:
+    """`t += torch.cat([first, then], -1)[..., :T]` in place, for `[B, C, 1, T]` tensors, without
+    the join (the compiled kernel where all three are channels last); returns `t`."""
+    if _compiled(t, first, then) and _channels_last_rows(t, first, then) and build() is None:
+        return torch.ops.splittts_kernels.add_joined_(t, first, then)
+    return t.add_(torch.cat([first, then], -1)[..., : t.shape[-1]])
+
+
+def mean_joined(firsts: list[Tensor], thens: list[Tensor], length: int) -> Tensor:
+    """`sum(cat([f, t], -1)[..., :length] for f, t in zip(firsts, thens)) / len(firsts)` of
+    `[B, C, 1, T]` tensors, summed in that order, without the joins and in one pass (the
+    compiled kernel, with a channels-last result, where all are channels last)."""
+    tensors = [*firsts, *thens]
+    if _compiled(*tensors) and _channels_last_rows(*tensors) and build() is None:
+        return torch.ops.splittts_kernels.mean_joined(firsts, thens, length)
+    parts = [torch.cat([f, t], -1)[..., :length] for f, t in zip(firsts, thens)]
+    return sum(parts[1:], parts[0]) / len(parts)
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:

@@ -369,9 +369,48 @@ def test_channels_last_join_and_add_equal_torch(dtype, batch, channels, head, ne
         assert torch.equal(joined.nan_to_num(), want.nan_to_num())
         assert joined.isnan().sum() == want.isnan().sum()
         assert joined.is_contiguous(memory_format=torch.channels_last)
-    total = cpu_ext.add_channels_last(joined[..., head:], then)
-    assert torch.equal(total.nan_to_num(), (joined[..., head:] + then).nan_to_num())
-    assert total.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch,channels,head,new", [(1, 32, 10, 8192), (3, 64, 2, 33), (2, 1, 1, 5)]
+)
+def test_residual_sum_over_a_join_equals_torch(dtype, batch, channels, head, new) -> None:
+    """`t += cat([first, then])[..., :T]` in place, the join never made: torch's values and
+    rounding, t's storage kept, with the carried part a slice of a longer tensor, T shorter than
+    the join, and lengths off the vector width."""
+    first = channels_last(batch, channels, 1, head + 7, dtype=dtype)[..., 7:]
+    then = channels_last(batch, channels, 1, new, dtype=dtype)
+    for length in (head + new, head + new - 3, max(1, head - 1)):
+        t = channels_last(batch, channels, 1, length, dtype=dtype)
+        want = torch.cat([first, then], -1)[..., :length] + t
+        ptr = t.data_ptr()
+        got = cpu_ext.add_joined_(t, first, then)
+        assert got.data_ptr() == ptr and got is t
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert got.isnan().sum() == want.isnan().sum()
+    with pytest.raises(ValueError, match="fewer than the"):
+        cpu_ext.add_joined_(
+            channels_last(batch, channels, 1, head + new + 1, dtype=dtype), first, then
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,channels,new", [(1, 32, 8192), (3, 64, 33), (2, 1, 5)])
+def test_mean_of_joins_equals_torch(dtype, batch, channels, new) -> None:
+    """A stage's residual blocks averaged, each with the samples it ran ahead last call: torch's
+    sum-then-divide, bit for bit, over joins with empty, short and long carried parts."""
+    heads = [0, 3, 17]
+    firsts = [channels_last(batch, channels, 1, h, dtype=dtype) for h in heads]
+    thens = [channels_last(batch, channels, 1, new + 17 - h, dtype=dtype) for h in heads]
+    for length in (new, new + 17, 1):
+        got = cpu_ext.mean_joined(firsts, thens, length)
+        parts = [torch.cat([f, t], -1)[..., :length] for f, t in zip(firsts, thens)]
+        want = (parts[0] + parts[1] + parts[2]) / 3
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert got.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="one length"):
+        torch.ops.splittts_kernels.mean_joined(firsts, thens[:2], new)
 
 
 def test_channels_last_join_of_plain_tensors_uses_torch() -> None:

@@ -661,6 +661,22 @@ def test_bf16_stream_keeps_every_convolution_input_channels_last(monkeypatch, me
     assert len(layouts) > 4 * 80 and all(layouts), [i for i, ok in enumerate(layouts) if not ok]
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_carried_state_holds_no_activation_alive(bf16, mel):
+    """Every tensor a stream carries to its next call has storage of its own, no larger than
+    itself: a tail kept as a view would keep the whole activation it was cut from alive (tens
+    of MB a stream for some 400 KB of state), and the forward's memory would not be reused."""
+    backend = TorchBackend(bf16=bf16)
+    right = backend.receptive_field[1]
+    _, state = backend.run_stream(mel[None, :, : right + 4], None)
+    for frames in (1, 8, 32):
+        _, state = backend.run_stream(mel[None, :, :frames], state)
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state)
+    _, states = backend.run_streams(np.stack([mel[:, :8]] * 2), [state, state])
+    held = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in states[0]}.values())
+    assert held <= 2 * sum(t.numel() * t.element_size() for t in state)
+
+
 def test_bf16_stream_reblocks_no_weight_per_call(capfd, mel):
     """Each convolution's weight is packed for the width classes of outputs it meets and the
     call picks the one oneDNN runs, so a streamed call re-blocks no weight (oneDNN's own log of what it

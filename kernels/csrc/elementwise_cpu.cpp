@@ -1,7 +1,8 @@
 // Row-wise CPU kernels that fuse what the torch reference does in several passes over memory:
 // RMS norm (with the residual add), SiLU-and-multiply of a fused gate/up projection, and
 // NeoX rotary embedding of q and k; and for a streamed vocoder's channels-last [B, C, 1, T]
-// activations, a layer's carried input joined to its new input through a leaky ReLU, and a sum.
+// activations, a layer's carried input joined to its new input through a leaky ReLU, and sums
+// (a residual's, a stage's mean) whose terms are such joins, read in place without joining them.
 // fp32 and bf16 tensors; all arithmetic in fp32. Rows are split across torch's intra-op threads.
 
 #include <ATen/Parallel.h>
@@ -20,7 +21,7 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -286,23 +287,6 @@ inline void leaky_span(const scalar_t* in, scalar_t* out, int64_t n, float slope
 }
 
 template <typename scalar_t>
-inline void add_span(const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    for (; i + 32 <= n; i += 32) {
-      __m512 alo, ahi, blo, bhi;
-      widen32(a + i, alo, ahi);
-      widen32(b + i, blo, bhi);
-      narrow32(out + i, _mm512_add_ps(alo, blo), _mm512_add_ps(ahi, bhi));
-    }
-  }
-#endif
-#pragma omp simd
-  for (int64_t j = i; j < n; ++j) out[j] = narrow<scalar_t>(to_float(a[j]) + to_float(b[j]));
-}
-
-template <typename scalar_t>
 void join_impl(const at::Tensor& first, const at::Tensor& then, float slope, at::Tensor& out) {
   const int64_t batch = out.size(0), channels = out.size(1);
   const int64_t head = first.size(3) * channels, tail = then.size(3) * channels;
@@ -339,35 +323,166 @@ at::Tensor join_channels_last(const at::Tensor& first, const at::Tensor& then, d
   return out;
 }
 
+// A channels-last [B, C, 1, T] tensor that is `first` then `then` along time, not copied: where
+// sample j of batch row r lies.
 template <typename scalar_t>
-void add_impl(const at::Tensor& x, const at::Tensor& y, at::Tensor& out) {
-  const int64_t batch = out.size(0), n = out.size(1) * out.size(3);
-  const scalar_t* a = x.const_data_ptr<scalar_t>();
-  const scalar_t* b = y.const_data_ptr<scalar_t>();
+struct Joined {
+  const scalar_t* first;
+  const scalar_t* then;
+  int64_t first_stride, then_stride, head, channels;
+
+  Joined(const at::Tensor& a, const at::Tensor& b)
+      : first(a.const_data_ptr<scalar_t>()),
+        then(b.const_data_ptr<scalar_t>()),
+        first_stride(a.stride(0)),
+        then_stride(b.stride(0)),
+        head(a.size(3)),
+        channels(b.size(1)) {}
+
+  const scalar_t* at(int64_t r, int64_t j) const {
+    return j < head ? first + r * first_stride + j * channels : then + r * then_stride + (j - head) * channels;
+  }
+};
+
+// x rounded to scalar_t's precision and back, as a torch op on scalar_t tensors leaves it.
+template <typename scalar_t>
+inline float rounded(float x) {
+  return to_float(narrow<scalar_t>(x));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline __m512 rounded16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+#endif
+
+// out[i] = (((src[0][i] + src[1][i]) + src[2][i]) + ...) / divisor, each sum rounded to scalar_t
+// as torch's chain of adds rounds it, then the quotient (divisor 1: no division).
+template <typename scalar_t>
+inline void sum_span(const std::vector<const scalar_t*>& src, scalar_t* out, int64_t n, float divisor) {
+  const size_t k = src.size();
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m512 d = _mm512_set1_ps(divisor);
+    for (; i + 32 <= n; i += 32) {
+      __m512 lo, hi;
+      widen32(src[0] + i, lo, hi);
+      for (size_t s = 1; s < k; ++s) {
+        __m512 blo, bhi;
+        widen32(src[s] + i, blo, bhi);
+        lo = _mm512_add_ps(lo, blo);
+        hi = _mm512_add_ps(hi, bhi);
+        if (s + 1 < k) {
+          lo = rounded16(lo);
+          hi = rounded16(hi);
+        }
+      }
+      if (divisor != 1.f) {
+        lo = _mm512_div_ps(rounded16(lo), d);
+        hi = _mm512_div_ps(rounded16(hi), d);
+      }
+      narrow32(out + i, lo, hi);
+    }
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const __m512 d = _mm512_set1_ps(divisor);
+    for (; i + 16 <= n; i += 16) {
+      __m512 acc = _mm512_loadu_ps(src[0] + i);
+      for (size_t s = 1; s < k; ++s) acc = _mm512_add_ps(acc, _mm512_loadu_ps(src[s] + i));
+      _mm512_storeu_ps(out + i, divisor != 1.f ? _mm512_div_ps(acc, d) : acc);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    float acc = to_float(src[0][i]);
+    for (size_t s = 1; s < k; ++s) acc = s + 1 < k ? rounded<scalar_t>(acc + to_float(src[s][i])) : acc + to_float(src[s][i]);
+    if (divisor != 1.f) acc = rounded<scalar_t>(acc) / divisor;
+    out[i] = narrow<scalar_t>(acc);
+  }
+}
+
+// out = (sum of parts[:length]) / divisor per batch row, each part a Joined; one pass over the
+// samples, split where a part passes from its `first` to its `then`.
+template <typename scalar_t>
+void sum_joined_impl(const std::vector<Joined<scalar_t>>& parts, int64_t length, float divisor, at::Tensor& out) {
+  const int64_t batch = out.size(0), channels = out.size(1);
+  std::vector<int64_t> cuts{0, length};
+  for (const auto& p : parts)
+    if (p.head > 0 && p.head < length) cuts.push_back(p.head);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
   scalar_t* o = out.data_ptr<scalar_t>();
-  at::parallel_for(0, batch, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, n)),
+  const int64_t out_stride = out.stride(0);
+  at::parallel_for(0, batch, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, length * channels)),
                    [&](int64_t lo, int64_t hi) {
-                     for (int64_t r = lo; r < hi; ++r) {
-                       const scalar_t* pa = a + r * x.stride(0);
-                       const scalar_t* pb = b + r * y.stride(0);
-                       add_span(pa, pb, o + r * n, n);
-                     }
+                     std::vector<const scalar_t*> src(parts.size());
+                     for (int64_t r = lo; r < hi; ++r)
+                       for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+                         for (size_t s = 0; s < parts.size(); ++s) src[s] = parts[s].at(r, cuts[c]);
+                         sum_span(src, o + r * out_stride + cuts[c] * channels, (cuts[c + 1] - cuts[c]) * channels,
+                                  divisor);
+                       }
                    });
 }
 
-// x + y of channels-last [B, C, 1, T] tensors, in channels-last layout.
-at::Tensor add_channels_last(const at::Tensor& x, const at::Tensor& y) {
-  check_channels_last(x, "add_channels_last", "x");
-  check_channels_last(y, "add_channels_last", "y");
-  TORCH_CHECK_TYPE(x.scalar_type() == y.scalar_type(), "add_channels_last: x and y must have one dtype, got ",
-                   x.scalar_type(), " and ", y.scalar_type());
-  TORCH_CHECK_VALUE(x.sizes() == y.sizes(), "add_channels_last: x and y must have one shape, got ", x.sizes(),
-                    " and ", y.sizes());
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
-  if (x.scalar_type() == at::kFloat)
-    add_impl<float>(x, y, out);
+void check_joined(const at::Tensor& first, const at::Tensor& then, const at::Tensor& like, int64_t length,
+                  const char* op) {
+  check_channels_last(first, op, "first");
+  check_channels_last(then, op, "then");
+  TORCH_CHECK_TYPE(first.scalar_type() == like.scalar_type() && then.scalar_type() == like.scalar_type(), op,
+                   ": every tensor must have one dtype, got ", first.scalar_type(), ", ", then.scalar_type(), " and ",
+                   like.scalar_type());
+  TORCH_CHECK_VALUE(first.size(0) == like.size(0) && then.size(0) == like.size(0) && first.size(1) == like.size(1) &&
+                        then.size(1) == like.size(1),
+                    op, ": every tensor must share batch and channels, got ", first.sizes(), ", ", then.sizes(),
+                    " and ", like.sizes());
+  TORCH_CHECK_VALUE(first.size(3) + then.size(3) >= length, op, ": first and then hold ",
+                    first.size(3) + then.size(3), " samples, fewer than the ", length, " needed");
+}
+
+template <typename scalar_t>
+std::vector<Joined<scalar_t>> joined_parts(const std::vector<at::Tensor>& firsts, const std::vector<at::Tensor>& thens) {
+  std::vector<Joined<scalar_t>> parts;
+  for (size_t i = 0; i < firsts.size(); ++i) parts.emplace_back(firsts[i], thens[i]);
+  return parts;
+}
+
+// t += cat([first, then], time)[..., :T] in place, for channels-last [B, C, 1, T] tensors: a
+// residual sum whose skip path is a layer's carried input followed by its new input, without
+// joining the two first. Rounded as `cat(...)[..., :T] + t` rounds.
+at::Tensor& add_joined_(at::Tensor& t, const at::Tensor& first, const at::Tensor& then) {
+  check_channels_last(t, "add_joined_", "t");
+  check_joined(first, then, t, t.size(3), "add_joined_");
+  if (t.scalar_type() == at::kFloat) {
+    std::vector<Joined<float>> parts{Joined<float>(first, then), Joined<float>(t, t.narrow(3, 0, 0))};
+    sum_joined_impl<float>(parts, t.size(3), 1.f, t);
+  } else {
+    std::vector<Joined<c10::BFloat16>> parts{Joined<c10::BFloat16>(first, then),
+                                             Joined<c10::BFloat16>(t, t.narrow(3, 0, 0))};
+    sum_joined_impl<c10::BFloat16>(parts, t.size(3), 1.f, t);
+  }
+  return t;
+}
+
+// The mean of cat([firsts[i], thens[i]], time)[..., :length] over i, for channels-last
+// [B, C, 1, T] tensors, summed in order and then divided, rounded as torch's `sum(...) / n`
+// rounds: a stage's residual blocks averaged, each with the samples it ran ahead last call.
+at::Tensor mean_joined(const std::vector<at::Tensor>& firsts, const std::vector<at::Tensor>& thens, int64_t length) {
+  TORCH_CHECK_VALUE(!firsts.empty() && firsts.size() == thens.size(),
+                    "mean_joined: firsts and thens must be non-empty and of one length, got ", firsts.size(), " and ",
+                    thens.size());
+  TORCH_CHECK_VALUE(length >= 0, "mean_joined: length must be >= 0, got ", length);
+  for (size_t i = 0; i < firsts.size(); ++i) check_joined(firsts[i], thens[i], thens[0], length, "mean_joined");
+  at::Tensor out = at::empty({thens[0].size(0), thens[0].size(1), 1, length},
+                             thens[0].options().memory_format(at::MemoryFormat::ChannelsLast));
+  const float divisor = float(firsts.size());
+  if (out.scalar_type() == at::kFloat)
+    sum_joined_impl<float>(joined_parts<float>(firsts, thens), length, divisor, out);
   else
-    add_impl<c10::BFloat16>(x, y, out);
+    sum_joined_impl<c10::BFloat16>(joined_parts<c10::BFloat16>(firsts, thens), length, divisor, out);
   return out;
 }
 
@@ -379,7 +494,8 @@ TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, int rotary_dim) -> (Tensor, Tensor)");
   m.def("join_channels_last(Tensor first, Tensor then, float slope) -> Tensor");
-  m.def("add_channels_last(Tensor x, Tensor y) -> Tensor");
+  m.def("add_joined_(Tensor(a!) t, Tensor first, Tensor then) -> Tensor(a!)");
+  m.def("mean_joined(Tensor[] firsts, Tensor[] thens, int length) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
@@ -388,5 +504,6 @@ TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
   m.impl("join_channels_last", &join_channels_last);
-  m.impl("add_channels_last", &add_channels_last);
+  m.impl("add_joined_", &add_joined_);
+  m.impl("mean_joined", &mean_joined);
 }
