@@ -221,13 +221,22 @@ def _channels_last_rows(*tensors: Tensor) -> bool:
     )
 
 
-def join_channels_last(first: Tensor, then: Tensor, slope: float | None = None) -> Tensor:
-    """`torch.cat([first, leaky_relu(then, slope)], -1)` of `[B, C, 1, T]` tensors (no
-    activation without a slope) in channels-last layout, in one pass over `then`; the result is
-    channels last whatever the inputs' layouts (the compiled kernel where both are)."""
+def _rest(first: Tensor, then: Tensor, start: int) -> Tensor:
+    """`torch.cat([first, then], -1)[..., start:]` in storage of its own, in `then`'s layout."""
+    fmt = torch.channels_last if _channels_last_rows(then) and then.shape[1] > 1 else None
+    rest = torch.cat([first, then], -1)[..., start:]
+    return rest.clone(memory_format=fmt or torch.contiguous_format)
+
+
+def join_channels_last(
+    first: Tensor, then: Tensor, slope: float | None = None, keep: int = 0
+) -> tuple[Tensor, Tensor]:
+    """(`torch.cat([first, leaky_relu(then, slope)], -1)` of `[B, C, 1, T]` tensors (no
+    activation without a slope) in channels-last layout, its last `keep` samples in storage of
+    their own), in one pass over `then` (the compiled kernel where both are channels last)."""
     if _compiled(first, then) and _channels_last_rows(first, then) and build() is None:
         return torch.ops.splittts_kernels.join_channels_last(
-            first, then, 1.0 if slope is None else slope
+            first, then, 1.0 if slope is None else slope, keep
         )
     n = first.shape[-1]
     out = torch.empty(
@@ -241,26 +250,33 @@ def join_channels_last(first: Tensor, then: Tensor, slope: float | None = None) 
         out[..., n:].copy_(then)
     else:
         torch._C._nn.leaky_relu(then, slope, out=out[..., n:])
-    return out
+    keep = min(keep, out.shape[-1])
+    return out, out[..., out.shape[-1] - keep :].clone(memory_format=torch.channels_last)
 
 
-def add_joined_(t: Tensor, first: Tensor, then: Tensor) -> Tensor:
+def add_joined_(t: Tensor, first: Tensor, then: Tensor) -> tuple[Tensor, Tensor]:
     """`t += torch.cat([first, then], -1)[..., :T]` in place, for `[B, C, 1, T]` tensors, without
-    the join (the compiled kernel where all three are channels last); returns `t`."""
+    the join (the compiled kernel where all three are channels last); returns `t` and the rest
+    of the join (from T on) in storage of its own."""
     if _compiled(t, first, then) and _channels_last_rows(t, first, then) and build() is None:
-        return torch.ops.splittts_kernels.add_joined_(t, first, then)
-    return t.add_(torch.cat([first, then], -1)[..., : t.shape[-1]])
+        return t, torch.ops.splittts_kernels.add_joined_(t, first, then)
+    length = t.shape[-1]
+    return t.add_(torch.cat([first, then], -1)[..., :length]), _rest(first, then, length)
 
 
-def mean_joined(firsts: list[Tensor], thens: list[Tensor], length: int) -> Tensor:
+def mean_joined(
+    firsts: list[Tensor], thens: list[Tensor], length: int
+) -> tuple[Tensor, list[Tensor]]:
     """`sum(cat([f, t], -1)[..., :length] for f, t in zip(firsts, thens)) / len(firsts)` of
     `[B, C, 1, T]` tensors, summed in that order, without the joins and in one pass (the
-    compiled kernel, with a channels-last result, where all are channels last)."""
+    compiled kernel, with a channels-last result, where all are channels last); and each join's
+    rest (from `length` on) in storage of its own."""
     tensors = [*firsts, *thens]
     if _compiled(*tensors) and _channels_last_rows(*tensors) and build() is None:
         return torch.ops.splittts_kernels.mean_joined(firsts, thens, length)
     parts = [torch.cat([f, t], -1)[..., :length] for f, t in zip(firsts, thens)]
-    return sum(parts[1:], parts[0]) / len(parts)
+    rests = [_rest(f, t, length) for f, t in zip(firsts, thens)]
+    return sum(parts[1:], parts[0]) / len(parts), rests
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:

@@ -355,20 +355,30 @@ def channels_last(*shape: int, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize(
     "batch,channels,head,new", [(1, 32, 10, 8192), (3, 64, 2, 33), (2, 1, 1, 5)]
 )
-def test_channels_last_join_and_add_equal_torch(dtype, batch, channels, head, new) -> None:
-    """A vocoder layer's carried input joined to its new input through a leaky ReLU, and the
-    residual sum, of `[B, C, 1, T]` channels-last tensors: torch's values (the same rounding to
-    bf16, NaN aside) in channels-last layout, with a carried part that is a slice of a longer
-    tensor and lengths off the vector width."""
+def test_channels_last_join_equals_torch(dtype, batch, channels, head, new) -> None:
+    """A vocoder layer's carried input joined to its new input through a leaky ReLU, of
+    `[B, C, 1, T]` channels-last tensors, and the join's tail that the layer carries on: torch's
+    values (the same rounding to bf16, NaN aside) in channels-last layout, the tail in storage of
+    its own, with a carried part that is a slice of a longer tensor and lengths off the vector
+    width."""
     first = channels_last(batch, channels, 1, head + 7, dtype=dtype)[..., 7:]
     then = channels_last(batch, channels, 1, new, dtype=dtype)
-    for slope in (0.1, None):
-        joined = cpu_ext.join_channels_last(first, then, slope)
+    for slope, keep in ((0.1, 6), (None, 0), (0.1, head + new + 5)):
+        joined, tail = cpu_ext.join_channels_last(first, then, slope, keep)
         act = then if slope is None else torch.nn.functional.leaky_relu(then, slope)
         want = torch.cat([first, act], -1)
         assert torch.equal(joined.nan_to_num(), want.nan_to_num())
         assert joined.isnan().sum() == want.isnan().sum()
         assert joined.is_contiguous(memory_format=torch.channels_last)
+        assert_own_copy(tail, want[..., want.shape[-1] - min(keep, want.shape[-1]) :])
+
+
+def assert_own_copy(got: torch.Tensor, want: torch.Tensor) -> None:
+    """`got` equals `want` (NaN aside), channels last, in storage no larger than itself."""
+    assert got.shape == want.shape
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+    assert got.shape[1] == 1 or got.is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -385,10 +395,11 @@ def test_residual_sum_over_a_join_equals_torch(dtype, batch, channels, head, new
         t = channels_last(batch, channels, 1, length, dtype=dtype)
         want = torch.cat([first, then], -1)[..., :length] + t
         ptr = t.data_ptr()
-        got = cpu_ext.add_joined_(t, first, then)
+        got, rest = cpu_ext.add_joined_(t, first, then)
         assert got.data_ptr() == ptr and got is t
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
         assert got.isnan().sum() == want.isnan().sum()
+        assert_own_copy(rest, torch.cat([first, then], -1)[..., length:])
     with pytest.raises(ValueError, match="fewer than the"):
         cpu_ext.add_joined_(
             channels_last(batch, channels, 1, head + new + 1, dtype=dtype), first, then
@@ -404,19 +415,22 @@ def test_mean_of_joins_equals_torch(dtype, batch, channels, new) -> None:
     firsts = [channels_last(batch, channels, 1, h, dtype=dtype) for h in heads]
     thens = [channels_last(batch, channels, 1, new + 17 - h, dtype=dtype) for h in heads]
     for length in (new, new + 17, 1):
-        got = cpu_ext.mean_joined(firsts, thens, length)
+        got, rests = cpu_ext.mean_joined(firsts, thens, length)
         parts = [torch.cat([f, t], -1)[..., :length] for f, t in zip(firsts, thens)]
         want = (parts[0] + parts[1] + parts[2]) / 3
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
         assert got.is_contiguous(memory_format=torch.channels_last)
+        for rest, f, t in zip(rests, firsts, thens, strict=True):
+            assert_own_copy(rest, torch.cat([f, t], -1)[..., length:])
     with pytest.raises(ValueError, match="one length"):
         torch.ops.splittts_kernels.mean_joined(firsts, thens[:2], new)
 
 
 def test_channels_last_join_of_plain_tensors_uses_torch() -> None:
     first, then = torch.randn(2, 8, 1, 3), torch.randn(2, 8, 1, 5)  # plain layout
-    joined = cpu_ext.join_channels_last(first, then, 0.2)
+    joined, tail = cpu_ext.join_channels_last(first, then, 0.2, 3)
     assert torch.equal(joined, torch.cat([first, torch.nn.functional.leaky_relu(then, 0.2)], -1))
     assert joined.is_contiguous(memory_format=torch.channels_last)
+    assert_own_copy(tail, joined[..., -3:])
     with pytest.raises(ValueError, match="channels-last layout"):
-        torch.ops.splittts_kernels.join_channels_last(first, then, 0.2)
+        torch.ops.splittts_kernels.join_channels_last(first, then, 0.2, 0)

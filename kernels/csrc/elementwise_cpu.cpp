@@ -303,9 +303,27 @@ void join_impl(const at::Tensor& first, const at::Tensor& then, float slope, at:
                    });
 }
 
-// cat([first, leaky_relu(then, slope)], time) in channels-last layout, in one pass over `then`
-// (slope 1 joins it as it is). Arithmetic in fp32, rounded as torch rounds.
-at::Tensor join_channels_last(const at::Tensor& first, const at::Tensor& then, double slope) {
+// cat([first, then], time)[..., start:] of channels-last [B, C, 1, T] tensors, in storage of
+// its own: what a streamed layer carries to its next call, cut from this call's tensors without
+// keeping them alive.
+at::Tensor rest_of(const at::Tensor& first, const at::Tensor& then, int64_t start) {
+  const int64_t head = first.size(3), total = head + then.size(3);
+  start = std::clamp<int64_t>(start, 0, total);
+  at::Tensor out = at::empty({then.size(0), then.size(1), 1, total - start},
+                             then.options().memory_format(at::MemoryFormat::ChannelsLast));
+  if (start < head) out.narrow(3, 0, head - start).copy_(first.narrow(3, start, head - start));
+  const int64_t from = std::max<int64_t>(0, start - head);
+  if (from < then.size(3))
+    out.narrow(3, std::max<int64_t>(0, head - start), then.size(3) - from)
+        .copy_(then.narrow(3, from, then.size(3) - from));
+  return out;
+}
+
+// (cat([first, leaky_relu(then, slope)], time), its last `keep` samples in storage of their own)
+// in channels-last layout, in one pass over `then` (slope 1 joins it as it is). Arithmetic in
+// fp32, rounded as torch rounds.
+std::tuple<at::Tensor, at::Tensor> join_channels_last(const at::Tensor& first, const at::Tensor& then, double slope,
+                                                      int64_t keep) {
   check_channels_last(first, "join_channels_last", "first");
   check_channels_last(then, "join_channels_last", "then");
   TORCH_CHECK_TYPE(first.scalar_type() == then.scalar_type(),
@@ -314,13 +332,15 @@ at::Tensor join_channels_last(const at::Tensor& first, const at::Tensor& then, d
   TORCH_CHECK_VALUE(first.size(0) == then.size(0) && first.size(1) == then.size(1),
                     "join_channels_last: first and then must share batch and channels, got ",
                     first.sizes(), " and ", then.sizes());
-  at::Tensor out = at::empty({then.size(0), then.size(1), 1, first.size(3) + then.size(3)},
+  TORCH_CHECK_VALUE(keep >= 0, "join_channels_last: keep must be >= 0, got ", keep);
+  const int64_t length = first.size(3) + then.size(3);
+  at::Tensor out = at::empty({then.size(0), then.size(1), 1, length},
                              then.options().memory_format(at::MemoryFormat::ChannelsLast));
   if (then.scalar_type() == at::kFloat)
     join_impl<float>(first, then, float(slope), out);
   else
     join_impl<c10::BFloat16>(first, then, float(slope), out);
-  return out;
+  return {out, rest_of(out, out.narrow(3, 0, 0), length - std::min(keep, length))};
 }
 
 // A channels-last [B, C, 1, T] tensor that is `first` then `then` along time, not copied: where
@@ -452,8 +472,9 @@ std::vector<Joined<scalar_t>> joined_parts(const std::vector<at::Tensor>& firsts
 
 // t += cat([first, then], time)[..., :T] in place, for channels-last [B, C, 1, T] tensors: a
 // residual sum whose skip path is a layer's carried input followed by its new input, without
-// joining the two first. Rounded as `cat(...)[..., :T] + t` rounds.
-at::Tensor& add_joined_(at::Tensor& t, const at::Tensor& first, const at::Tensor& then) {
+// joining the two first. Rounded as `cat(...)[..., :T] + t` rounds. Returns the rest of the join
+// (from T on) in storage of its own.
+at::Tensor add_joined_(at::Tensor& t, const at::Tensor& first, const at::Tensor& then) {
   check_channels_last(t, "add_joined_", "t");
   check_joined(first, then, t, t.size(3), "add_joined_");
   if (t.scalar_type() == at::kFloat) {
@@ -464,13 +485,15 @@ at::Tensor& add_joined_(at::Tensor& t, const at::Tensor& first, const at::Tensor
                                              Joined<c10::BFloat16>(t, t.narrow(3, 0, 0))};
     sum_joined_impl<c10::BFloat16>(parts, t.size(3), 1.f, t);
   }
-  return t;
+  return rest_of(first, then, t.size(3));
 }
 
 // The mean of cat([firsts[i], thens[i]], time)[..., :length] over i, for channels-last
 // [B, C, 1, T] tensors, summed in order and then divided, rounded as torch's `sum(...) / n`
 // rounds: a stage's residual blocks averaged, each with the samples it ran ahead last call.
-at::Tensor mean_joined(const std::vector<at::Tensor>& firsts, const std::vector<at::Tensor>& thens, int64_t length) {
+// Returns the mean and each join's rest (from `length` on) in storage of its own.
+std::tuple<at::Tensor, std::vector<at::Tensor>> mean_joined(const std::vector<at::Tensor>& firsts,
+                                                           const std::vector<at::Tensor>& thens, int64_t length) {
   TORCH_CHECK_VALUE(!firsts.empty() && firsts.size() == thens.size(),
                     "mean_joined: firsts and thens must be non-empty and of one length, got ", firsts.size(), " and ",
                     thens.size());
@@ -483,7 +506,9 @@ at::Tensor mean_joined(const std::vector<at::Tensor>& firsts, const std::vector<
     sum_joined_impl<float>(joined_parts<float>(firsts, thens), length, divisor, out);
   else
     sum_joined_impl<c10::BFloat16>(joined_parts<c10::BFloat16>(firsts, thens), length, divisor, out);
-  return out;
+  std::vector<at::Tensor> rests;
+  for (size_t i = 0; i < firsts.size(); ++i) rests.push_back(rest_of(firsts[i], thens[i], length));
+  return {out, rests};
 }
 
 }  // namespace
@@ -493,9 +518,9 @@ TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, int rotary_dim) -> (Tensor, Tensor)");
-  m.def("join_channels_last(Tensor first, Tensor then, float slope) -> Tensor");
-  m.def("add_joined_(Tensor(a!) t, Tensor first, Tensor then) -> Tensor(a!)");
-  m.def("mean_joined(Tensor[] firsts, Tensor[] thens, int length) -> Tensor");
+  m.def("join_channels_last(Tensor first, Tensor then, float slope, int keep) -> (Tensor, Tensor)");
+  m.def("add_joined_(Tensor(a!) t, Tensor first, Tensor then) -> Tensor");
+  m.def("mean_joined(Tensor[] firsts, Tensor[] thens, int length) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
