@@ -70,12 +70,20 @@ def test_decode_matches_reference_fp32(lengths, heads, head_dim, block_size) -> 
 
 
 @pytest.mark.parametrize("lengths", ["one_token", "unaligned", "long", "mixed_37"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
-def test_decode_matches_reference_bf16(lengths, head_dim) -> None:
-    batch = decode_batch(LENGTHS[lengths], 16, 4, head_dim, 16, torch.bfloat16)
+def test_decode_matches_reference_bf16(lengths, heads, head_dim) -> None:
+    """bf16 caches: head sizes 64 and 128 take the bf16 dot products where the CPU has them
+    (keys and values never widened in memory), 80 the widening path; every GQA ratio."""
+    batch = decode_batch(LENGTHS[lengths], *heads, head_dim, 16, torch.bfloat16)
     compiled, reference = both(batch)
     # both round the same fp32-accumulated result to bf16 (reference: SDPA's own kernel)
     torch.testing.assert_close(compiled.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    # and to within bf16 rounding of attention done in fp64 on the same bf16 inputs
+    exact = attention.paged_attention_decode(
+        **{k: v.double() if v.is_floating_point() else v for k, v in batch.items()}, scale=0.125
+    )
+    torch.testing.assert_close(compiled.double(), exact, rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72])  # below, between and above vector widths

@@ -6,7 +6,10 @@
 // (cached tokens including the new one); block_tables [B, max_blocks] int32. Query head h
 // reads KV head h / (H / Hkv). A work item is one sequence and a run of its KV heads with all
 // their query heads, so every key and value row is read from memory once, in address order
-// within a block. Accumulation is fp32; bf16 inputs are widened as they are read.
+// within a block. Accumulation is fp32; bf16 inputs are widened as they are read, except where
+// the CPU has AVX-512 BF16 and the head size is 64 or 128: there q.k is the CPU's bf16 dot
+// product (pairs multiplied exactly, summed in fp32) on the rows as stored, and values are
+// widened in registers.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,12 +20,18 @@
 
 #include "cpu_math.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SPLITTTS_BF16_DOT 1
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -131,8 +140,21 @@ struct Item {
 
   int64_t d() const { return kDim > 0 ? kDim : dim; }
 
+  const scalar_t* q_rows;  // [heads, D] the queries as given
+  float q_scale;
+
+  // bf16 rows with a head size the bf16 dot products take whole (SPLITTTS_BF16_DOT)
+  static constexpr bool kBf16Dot =
+#if defined(SPLITTTS_BF16_DOT)
+      std::is_same_v<scalar_t, c10::BFloat16> && kDim > 0 && kDim % 32 == 0;
+#else
+      false;
+#endif
+
   void start(const scalar_t* q, float scale) {
-    store(qf, widen(q, qf, heads * d()), scale, heads * d());
+    q_rows = q;
+    q_scale = scale;
+    if constexpr (!kBf16Dot) store(qf, widen(q, qf, heads * d()), scale, heads * d());
     std::fill(acc, acc + heads * d(), 0.f);
     std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
     std::fill(run_sum, run_sum + heads, 0.f);
@@ -143,13 +165,86 @@ struct Item {
              const scalar_t* next_v) {
     const int64_t D = d();
     const int64_t row_bytes = kv_heads * D * int64_t(sizeof(scalar_t));
+    if constexpr (kBf16Dot) {
+      scores_bf16(k, n, next_k, row_bytes);
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        prefetch(next_k + t * token_stride, row_bytes);
+        const float* keys = widen(k + t * token_stride, rows, kv_heads * D);
+        for (int64_t j = 0, h = 0; j < kv_heads; ++j)
+          for (int64_t g = 0; g < group; ++g, ++h) probs[h * block_size + t] = dot(qf + h * D, keys + j * D, D);
+      }
+    }
+    softmax_step(n, first);
+    if constexpr (kBf16Dot) {
+      accumulate_bf16(v, n, next_v, row_bytes);
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        prefetch(next_v + t * token_stride, row_bytes);
+        const float* values = widen(v + t * token_stride, rows, kv_heads * D);
+        for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+          const float* row = values + j * D;
+          for (int64_t g = 0; g < group; ++g, ++h) {
+            const float weight = probs[h * block_size + t];
+            float* a = acc + h * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) a[i] += weight * row[i];
+          }
+        }
+      }
+    }
+  }
+
+#if defined(SPLITTTS_BF16_DOT)
+  // scores[h, t] = scale * q[h] . k[t, h / group], 32 pairs of bf16 per instruction; token by
+  // token, each key row read once in address order
+  void scores_bf16(const c10::BFloat16* k, int64_t n, const c10::BFloat16* next_k, int64_t row_bytes) {
+    constexpr int64_t V = kDim / 32;
     for (int64_t t = 0; t < n; ++t) {
       prefetch(next_k + t * token_stride, row_bytes);
-      const float* keys = widen(k + t * token_stride, rows, kv_heads * D);
-      for (int64_t j = 0, h = 0; j < kv_heads; ++j)
-        for (int64_t g = 0; g < group; ++g, ++h) probs[h * block_size + t] = dot(qf + h * D, keys + j * D, D);
+      const c10::BFloat16* keys = k + t * token_stride;
+      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+        __m512bh kv[V];
+        for (int64_t i = 0; i < V; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(keys + j * kDim + 32 * i);
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < V; ++i)
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q_rows + h * kDim + 32 * i), kv[i]);
+          probs[h * block_size + t] = _mm512_reduce_add_ps(sum) * q_scale;
+        }
+      }
     }
+  }
 
+  // acc[h] += sum over t of probs[h, t] * v[t, h / group]: token by token, each value row
+  // widened once, in registers, for its KV head's whole query group
+  void accumulate_bf16(const c10::BFloat16* v, int64_t n, const c10::BFloat16* next_v, int64_t row_bytes) {
+    constexpr int64_t W = kDim / 16;  // fp32 vectors per row
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch(next_v + t * token_stride, row_bytes);
+      const c10::BFloat16* values = v + t * token_stride;
+      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+        __m512 x[W];
+        for (int64_t i = 0; i < W; ++i)
+          x[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(values + j * kDim + 16 * i))), 16));
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          const __m512 w = _mm512_set1_ps(probs[h * block_size + t]);
+          float* a = acc + h * kDim;
+          for (int64_t i = 0; i < W; ++i) _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(w, x[i], _mm512_loadu_ps(a + 16 * i)));
+        }
+      }
+    }
+  }
+#else
+  void scores_bf16(const scalar_t*, int64_t, const scalar_t*, int64_t) {}
+  void accumulate_bf16(const scalar_t*, int64_t, const scalar_t*, int64_t) {}
+#endif
+
+  // The block's scores become probabilities against the running max; what was accumulated
+  // under an older max is scaled down to the new one.
+  void softmax_step(int64_t n, bool first) {
+    const int64_t D = d();
     for (int64_t h = 0; h < heads; ++h) {
       float* p = probs + h * block_size;
       float block_max = run_max[h];
@@ -167,20 +262,6 @@ struct Item {
         run_max[h] = block_max;
       }
       run_sum[h] += sum(p, n);
-    }
-
-    for (int64_t t = 0; t < n; ++t) {
-      prefetch(next_v + t * token_stride, row_bytes);
-      const float* values = widen(v + t * token_stride, rows, kv_heads * D);
-      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
-        const float* row = values + j * D;
-        for (int64_t g = 0; g < group; ++g, ++h) {
-          const float weight = probs[h * block_size + t];
-          float* a = acc + h * D;
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += weight * row[i];
-        }
-      }
     }
   }
 
