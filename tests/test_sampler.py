@@ -34,6 +34,18 @@ def test_greedy_is_argmax_per_row():
     assert sample([SamplingParams(temperature=0)] * 5, logits) == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_equal_maxima():
+    """Ties (common in bf16 logits) go to the lowest id, as `argmax` resolves them, in greedy
+    batches and in greedy rows of a mixed batch."""
+    logits = torch.zeros(3, 40)
+    logits[0, [7, 3, 30]] = 2.0
+    logits[1, [39, 38]] = 5.0
+    logits[2, [0, 20]] = float("inf")
+    assert sample([SamplingParams(temperature=0)] * 3, logits.clone()) == [3, 38, 0]
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1)] * 2
+    assert sample(mixed[:3], logits.clone())[::2] == [3, 0]
+
+
 def test_greedy_and_random_rows_mix_in_one_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1)] * 3
