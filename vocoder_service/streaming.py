@@ -197,8 +197,8 @@ def _compact(x: Tensor) -> Tensor:
     activations; kept as views they would keep every activation of the forward alive to its end
     and then until the stream's next call: for a bf16 HiFi-GAN V1 stream in 32-frame chunks,
     tens of MB held for some 400 KB of state, each activation written to memory not in any
-    cache, and pages faulted in afresh by many forwards (a 32-frame call took 44.6 ms against
-    35.4 with the tails copied out, bench/README.md)."""
+    cache, and pages faulted in afresh by many forwards (bench/README.md, "The vocoder's memory
+    traffic per call")."""
     if x.dim() == 4 and _channels_last(x):
         return x.clone(memory_format=torch.channels_last)
     return x.clone(memory_format=torch.contiguous_format)

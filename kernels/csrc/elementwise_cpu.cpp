@@ -418,7 +418,10 @@ inline void sum_span(const std::vector<const scalar_t*>& src, scalar_t* out, int
 #endif
   for (; i < n; ++i) {
     float acc = to_float(src[0][i]);
-    for (size_t s = 1; s < k; ++s) acc = s + 1 < k ? rounded<scalar_t>(acc + to_float(src[s][i])) : acc + to_float(src[s][i]);
+    for (size_t s = 1; s < k; ++s) {
+      acc += to_float(src[s][i]);
+      if (s + 1 < k) acc = rounded<scalar_t>(acc);
+    }
     if (divisor != 1.f) acc = rounded<scalar_t>(acc) / divisor;
     out[i] = narrow<scalar_t>(acc);
   }
@@ -464,7 +467,8 @@ void check_joined(const at::Tensor& first, const at::Tensor& then, const at::Ten
 }
 
 template <typename scalar_t>
-std::vector<Joined<scalar_t>> joined_parts(const std::vector<at::Tensor>& firsts, const std::vector<at::Tensor>& thens) {
+std::vector<Joined<scalar_t>> joined_parts(const std::vector<at::Tensor>& firsts,
+                                           const std::vector<at::Tensor>& thens) {
   std::vector<Joined<scalar_t>> parts;
   for (size_t i = 0; i < firsts.size(); ++i) parts.emplace_back(firsts[i], thens[i]);
   return parts;

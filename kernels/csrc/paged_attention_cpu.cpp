@@ -231,7 +231,8 @@ struct Item {
         for (int64_t g = 0; g < group; ++g, ++h) {
           const __m512 w = _mm512_set1_ps(probs[h * block_size + t]);
           float* a = acc + h * kDim;
-          for (int64_t i = 0; i < W; ++i) _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(w, x[i], _mm512_loadu_ps(a + 16 * i)));
+          for (int64_t i = 0; i < W; ++i)
+            _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(w, x[i], _mm512_loadu_ps(a + 16 * i)));
         }
       }
     }
