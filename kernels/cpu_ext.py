@@ -165,9 +165,15 @@ def paged_attention(
 
 
 def _compiled(*tensors: Tensor) -> bool:
-    """The compiled row kernels take CPU tensors of one dtype, fp32 or bf16."""
+    """The compiled row kernels take CPU tensors of one dtype, fp32 or bf16. (Plain loops: a
+    streamed vocoder call asks this over a hundred times.)"""
     dtype = tensors[0].dtype
-    return dtype in _DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+    if dtype not in _DTYPES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu":
+            return False
+    return True
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0) -> Tensor:
@@ -212,13 +218,14 @@ def rotary(
 
 def _channels_last_rows(*tensors: Tensor) -> bool:
     """[B, C, 1, T] tensors whose batches each hold T x C contiguous values (channels last)."""
-    return all(
-        t.dim() == 4
-        and t.shape[2] == 1
-        and (t.shape[1] == 1 or t.stride(1) == 1)
-        and (t.shape[3] <= 1 or t.stride(3) == t.shape[1])
-        for t in tensors
-    )
+    for t in tensors:
+        shape = t.shape
+        if len(shape) != 4 or shape[2] != 1:
+            return False
+        stride = t.stride()
+        if (shape[1] != 1 and stride[1] != 1) or (shape[3] > 1 and stride[3] != shape[1]):
+            return False
+    return True
 
 
 def _rest(first: Tensor, then: Tensor, start: int) -> Tensor:

@@ -42,7 +42,7 @@ class PackedConv:
 
     def for_outputs(self, outputs: int) -> Tensor:
         """The packing for a call making `outputs` samples."""
-        hint = next(h for below, h in WIDTH_CLASSES if below is None or outputs < below)
+        hint = _hinted_outputs(outputs)
         packed = self._packed.get(hint)
         if packed is None:  # two threads may both pack: equal tensors, one kept
             packed = self._packed.setdefault(hint, self._reorder(hint))
@@ -61,6 +61,14 @@ class PackedConv:
     @property
     def is_mkldnn(self) -> bool:
         return all(p.is_mkldnn for p in self._packed.values())
+
+
+def _hinted_outputs(outputs: int) -> int:
+    """The outputs hinted for the width class `outputs` falls in."""
+    for below, hint in WIDTH_CLASSES:
+        if below is None or outputs < below:
+            return hint
+    raise AssertionError("the last width class has no bound")
 
 
 def pack_conv_weight(weight: Tensor, dilation: int = 1) -> PackedConv:
