@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from orchestrator.launcher import LocalDeployment
@@ -49,10 +50,23 @@ def whole(deployment, text: str, language_code: str = "") -> bytes:
     return b"".join(r.audio.audio for r in responses if r.HasField("audio"))
 
 
+def same_speech(a: bytes, b: bytes, min_snr_db: float = 40.0) -> bool:
+    """The same speech tokens through the streamed vocoder: equal length, and samples equal up
+    to rounding. Chunk boundaries follow the timing of each run, and the bf16 generator rounds
+    a little differently for different chunk widths (up to about 7e-4 of full scale), so two
+    runs of one request need not agree bit for bit."""
+    if len(a) != len(b):
+        return False
+    x = np.frombuffer(a, "<i2").astype(np.float64)
+    y = np.frombuffer(b, "<i2").astype(np.float64)
+    noise = float(((x - y) ** 2).sum())
+    return noise == 0 or 10 * np.log10(float((x**2).sum()) / noise) >= min_snr_db
+
+
 def test_streamed_mandarin_without_a_language_code_is_read_as_mandarin(deployment):
     as_mandarin = streamed(deployment, MANDARIN, "cmn-CN")
-    assert as_mandarin != streamed(deployment, MANDARIN, "en-US")  # the choice is audible
-    assert streamed(deployment, MANDARIN) == as_mandarin
+    assert not same_speech(as_mandarin, streamed(deployment, MANDARIN, "en-US"))  # audible
+    assert same_speech(streamed(deployment, MANDARIN), as_mandarin)
 
 
 def test_each_sentence_gets_its_own_language(deployment):
@@ -62,6 +76,7 @@ def test_each_sentence_gets_its_own_language(deployment):
     # One vocoder stream spans both sentences, so only the samples near the join may differ;
     # the length is the sum of each sentence's speech tokens, read in its own language.
     assert len(auto) == len(english) + len(mandarin)
-    assert auto[: len(english) // 2] == english[: len(english) // 2]
-    assert auto != whole(deployment, mixed, "en-US") and auto != whole(deployment, mixed, "cmn-CN")
+    assert same_speech(auto[: len(english) // 2], english[: len(english) // 2])
+    assert not same_speech(auto, whole(deployment, mixed, "en-US"))
+    assert not same_speech(auto, whole(deployment, mixed, "cmn-CN"))
     assert len(streamed(deployment, f"{MANDARIN}{ENGLISH}")) == len(mandarin) + len(english)
