@@ -427,10 +427,13 @@ inline void sum_span(const std::vector<const scalar_t*>& src, scalar_t* out, int
   }
 }
 
-// out = (sum of parts[:length]) / divisor per batch row, each part a Joined; one pass over the
-// samples, split where a part passes from its `first` to its `then`.
+// out = (sum over i of cat([firsts[i], thens[i]], time)[..., :length]) / divisor per batch row;
+// one pass over the samples, split where a part passes from its `first` to its `then`.
 template <typename scalar_t>
-void sum_joined_impl(const std::vector<Joined<scalar_t>>& parts, int64_t length, float divisor, at::Tensor& out) {
+void sum_joined_impl(const std::vector<at::Tensor>& firsts, const std::vector<at::Tensor>& thens, int64_t length,
+                     float divisor, at::Tensor& out) {
+  std::vector<Joined<scalar_t>> parts;
+  for (size_t i = 0; i < firsts.size(); ++i) parts.emplace_back(firsts[i], thens[i]);
   const int64_t batch = out.size(0), channels = out.size(1);
   std::vector<int64_t> cuts{0, length};
   for (const auto& p : parts)
@@ -466,14 +469,6 @@ void check_joined(const at::Tensor& first, const at::Tensor& then, const at::Ten
                     first.size(3) + then.size(3), " samples, fewer than the ", length, " needed");
 }
 
-template <typename scalar_t>
-std::vector<Joined<scalar_t>> joined_parts(const std::vector<at::Tensor>& firsts,
-                                           const std::vector<at::Tensor>& thens) {
-  std::vector<Joined<scalar_t>> parts;
-  for (size_t i = 0; i < firsts.size(); ++i) parts.emplace_back(firsts[i], thens[i]);
-  return parts;
-}
-
 // t += cat([first, then], time)[..., :T] in place, for channels-last [B, C, 1, T] tensors: a
 // residual sum whose skip path is a layer's carried input followed by its new input, without
 // joining the two first. Rounded as `cat(...)[..., :T] + t` rounds. Returns the rest of the join
@@ -481,14 +476,11 @@ std::vector<Joined<scalar_t>> joined_parts(const std::vector<at::Tensor>& firsts
 at::Tensor add_joined_(at::Tensor& t, const at::Tensor& first, const at::Tensor& then) {
   check_channels_last(t, "add_joined_", "t");
   check_joined(first, then, t, t.size(3), "add_joined_");
-  if (t.scalar_type() == at::kFloat) {
-    std::vector<Joined<float>> parts{Joined<float>(first, then), Joined<float>(t, t.narrow(3, 0, 0))};
-    sum_joined_impl<float>(parts, t.size(3), 1.f, t);
-  } else {
-    std::vector<Joined<c10::BFloat16>> parts{Joined<c10::BFloat16>(first, then),
-                                             Joined<c10::BFloat16>(t, t.narrow(3, 0, 0))};
-    sum_joined_impl<c10::BFloat16>(parts, t.size(3), 1.f, t);
-  }
+  const std::vector<at::Tensor> firsts{first, t}, thens{then, t.narrow(3, 0, 0)};
+  if (t.scalar_type() == at::kFloat)
+    sum_joined_impl<float>(firsts, thens, t.size(3), 1.f, t);
+  else
+    sum_joined_impl<c10::BFloat16>(firsts, thens, t.size(3), 1.f, t);
   return rest_of(first, then, t.size(3));
 }
 
@@ -507,9 +499,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> mean_joined(const std::vector<at
                              thens[0].options().memory_format(at::MemoryFormat::ChannelsLast));
   const float divisor = float(firsts.size());
   if (out.scalar_type() == at::kFloat)
-    sum_joined_impl<float>(joined_parts<float>(firsts, thens), length, divisor, out);
+    sum_joined_impl<float>(firsts, thens, length, divisor, out);
   else
-    sum_joined_impl<c10::BFloat16>(joined_parts<c10::BFloat16>(firsts, thens), length, divisor, out);
+    sum_joined_impl<c10::BFloat16>(firsts, thens, length, divisor, out);
   std::vector<at::Tensor> rests;
   for (size_t i = 0; i < firsts.size(); ++i) rests.push_back(rest_of(firsts[i], thens[i], length));
   return {out, rests};
