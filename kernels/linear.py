@@ -15,8 +15,9 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-# Below this many multiply-adds a oneDNN call costs more than it saves (10-40 us of overhead
-# per call against MKL's few; measured on the project's CPU, e.g. [4,192] x [192,1152]).
+# Weights of fewer parameters stay unpacked, on F.linear: for them a oneDNN call costs more than
+# it saves (10-40 us of overhead per call against MKL's few, e.g. [4,192] x [192,1152]), and
+# each new row count compiles a primitive (see `onednn_linear`).
 ONEDNN_MIN_MACS = 1 << 20
 
 
@@ -47,20 +48,20 @@ def pack_weight(weight: Tensor) -> Tensor:
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """CPU: oneDNN's matmul, which picks its kernels by instruction set rather than CPU vendor.
+    """CPU: oneDNN's matmul on a weight packed by `pack_weight`, which picks its kernels by
+    instruction set rather than CPU vendor; any other weight goes to F.linear.
 
     F.linear goes to MKL's sgemm, which on the AMD EPYC (AVX-512) of our CI machine ran at
     60-100 GFLOP/s per core against oneDNN's 140-230 for 16-256 rows (fp32, K=1024). Same
-    fp32 arithmetic; only the summation order differs. Small products (a speech LM of a few
-    million parameters decoding one sequence) and other dtypes stay on F.linear. `weight` may be
-    the output of `pack_weight`.
+    fp32 arithmetic; only the summation order differs. A weight too small to pack (a speech LM
+    of a few million parameters) stays on F.linear at every row count: oneDNN compiles a
+    primitive for each new one, 0.5-13 ms per projection shape for products of tens of
+    microseconds, and compiled it was still slower than MKL for them (0.15-0.3 ms against
+    0.06-0.09 for 37-53 rows of 192 x 576, on the project's Intel CPU). A prefill of the default
+    voice's LM on a prompt length not seen before took 10.0-11.3 ms that way, and 6.1-8.1 ms
+    on F.linear (41-88 prompt tokens, one thread).
     """
-    packed = weight.is_mkldnn  # from pack_weight: big enough and of a oneDNN dtype
-    if not packed and (
-        x.dtype not in (torch.float32, torch.bfloat16)
-        or weight.dtype != x.dtype
-        or x.numel() * weight.shape[0] < ONEDNN_MIN_MACS
-    ):
+    if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
