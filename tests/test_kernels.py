@@ -107,7 +107,10 @@ def test_packed_weights_match_and_small_ones_stay(rows) -> None:
     packed = linear.pack_weight(w)
     assert packed.is_mkldnn and packed.shape == w.shape
     x = torch.randn(rows, 1024)
+    # same fp32 products, another summation order over K=1024
     close(linear.onednn_linear(x, packed, b), linear.linear(x, w, b), tol=1e-4)
+    strided = torch.randn(rows, 2048)[:, ::2]  # a view, not contiguous
+    close(linear.onednn_linear(strided, packed, b), linear.linear(strided, w, b), tol=1e-4)
     close(
         linear.onednn_linear(x.bfloat16(), linear.pack_weight(w.bfloat16())).float(),
         linear.linear(x, w),
