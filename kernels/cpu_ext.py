@@ -194,6 +194,41 @@ def add_rms_norm(
     )
 
 
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`norm.gated_rms_norm` in one pass per row, a strided gate read in place."""
+    if not _compiled(x, gate) or x.dim() != 3 or gate.shape != x.shape or gate.stride(-1) != 1:
+        return norm.gated_rms_norm(x, gate, weight, eps)
+    return torch.ops.splittts_kernels.gated_rms_norm(x.contiguous(), gate, weight, eps)
+
+
+def write_kv(
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    all_valid: bool | None = None,
+) -> None:
+    """`attention.write_kv` as one copy per token and cache, strided rows read in place."""
+    if (
+        not _compiled(key, value, k_cache, v_cache)
+        or key.dim() != 3
+        or value.dim() != 3
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+        or key.stride(1) != key.shape[2]
+        or value.stride(1) != value.shape[2]
+        or key.stride(2) != 1
+        or value.stride(2) != 1
+    ):
+        attention.write_kv(key, value, k_cache, v_cache, slot_mapping, all_valid=all_valid)
+        return
+    torch.ops.splittts_kernels.write_kv(
+        key, value, k_cache, v_cache, slot_mapping.long().contiguous()
+    )
+
+
 def silu_and_mul(x: Tensor) -> Tensor:
     """`activation.silu_and_mul` in one pass."""
     if not _compiled(x):
@@ -213,6 +248,53 @@ def rotary(
         k = k.contiguous()
     return torch.ops.splittts_kernels.rotary(
         positions.long().contiguous(), q, k, cos_sin_cache.contiguous(), rotary_dim
+    )
+
+
+def qk_norm_rotary(
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    cos_sin_cache: Tensor,
+    rotary_dim: int,
+    *,
+    eps: float,
+    offset: float,
+) -> tuple[Tensor, Tensor]:
+    """`rotary.qk_norm_rotary` in one pass per token, strided q and k read in place."""
+    if (
+        not _compiled(q, k)
+        or q.dim() != 3
+        or k.dim() != 3
+        or q.stride(-1) != 1
+        or k.stride(-1) != 1
+        or cos_sin_cache.dtype != torch.float32
+    ):
+        return rope.qk_norm_rotary(
+            positions,
+            q,
+            k,
+            q_weight,
+            k_weight,
+            cos_sin_cache,
+            rotary_dim,
+            eps=eps,
+            offset=offset,
+            rms_norm=rms_norm,
+            rotary=rotary,
+        )
+    return torch.ops.splittts_kernels.qk_norm_rotary(
+        positions.long().contiguous(),
+        q,
+        k,
+        q_weight,
+        k_weight,
+        cos_sin_cache.contiguous(),
+        rotary_dim,
+        eps,
+        offset,
     )
 
 
@@ -409,4 +491,42 @@ def recurrent_gated_delta_rule(
         state_indices.long().contiguous(),
         None,
         scale,
+    )
+
+
+def gated_delta_net_inputs(
+    mixed_qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    num_v_heads: int,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`delta_rule.gated_delta_net_inputs` in one pass per token."""
+    if not _compiled(mixed_qkv, a, b) or mixed_qkv.dim() != 2:
+        return delta_rule.gated_delta_net_inputs(
+            mixed_qkv,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            num_k_heads=num_k_heads,
+            head_k_dim=head_k_dim,
+            num_v_heads=num_v_heads,
+            eps=eps,
+        )
+    return torch.ops.splittts_kernels.gated_delta_net_inputs(
+        _last_dim_contiguous(mixed_qkv),
+        _last_dim_contiguous(a),
+        _last_dim_contiguous(b),
+        A_log,
+        dt_bias,
+        num_k_heads,
+        head_k_dim,
+        num_v_heads,
+        eps,
     )

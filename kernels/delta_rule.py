@@ -5,9 +5,45 @@ o_t = S^T (scale*q_t). The state S is `[Dk, Dv]`.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 CHUNK_SIZE = 64
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32, returned in x.dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gated_delta_net_inputs(
+    mixed_qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    num_v_heads: int,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The delta rule's q, k `[T, Hv, Dk]`, g and beta (fp32 `[T, Hv]`) from a Gated DeltaNet's
+    conv output `mixed_qkv` `[T, 2 Hk Dk + ...]` and gate projections a, b `[T, Hv]`.
+
+    q and k (the first two Hk Dk columns) are L2-normalised per head, each key head serving a
+    run of Hv / Hk consecutive value heads; g = -exp(A_log) softplus(a + dt_bias) is the log
+    decay and beta = sigmoid(b) the write strength.
+    """
+    T, key_dim = mixed_qkv.shape[0], num_k_heads * head_k_dim
+    q = l2_normalize(mixed_qkv[:, :key_dim].reshape(T, num_k_heads, head_k_dim), eps)
+    k = l2_normalize(mixed_qkv[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim), eps)
+    if num_v_heads != num_k_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return q, k, g, b.sigmoid().float()
 
 
 def _to_chunks(x: Tensor, chunk: Tensor, pos: Tensor, num_chunks: int) -> Tensor:

@@ -8,13 +8,14 @@ The torch_npu delta-rule operations take bfloat16 inputs and a bfloat16 `[.., Dv
 so the fp32 state pool is transposed and rounded to bfloat16 around each call.
 """
 
+import functools
 import logging
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from kernels import activation, attention, conv, delta_rule, linear, norm
+from kernels import activation, attention, conv, delta_rule, linear, norm, rotary
 from kernels.ops import Ops
 
 logger = logging.getLogger(__name__)
@@ -292,6 +293,9 @@ def npu_ops() -> Ops:
         add_rms_norm=kernels.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
         rotary=kernels.rotary,
+        qk_norm_rotary=functools.partial(
+            rotary.qk_norm_rotary, rms_norm=kernels.rms_norm, rotary=kernels.rotary
+        ),
         write_kv=kernels.write_kv,
         paged_attention=kernels.paged_attention,
         paged_attention_decode=kernels.paged_attention_decode,
@@ -299,4 +303,5 @@ def npu_ops() -> Ops:
         causal_conv1d_update=conv.causal_conv1d_update,
         chunk_gated_delta_rule=kernels.chunk_gated_delta_rule,
         recurrent_gated_delta_rule=kernels.recurrent_gated_delta_rule,
+        gated_delta_net_inputs=delta_rule.gated_delta_net_inputs,
     )

@@ -20,6 +20,7 @@ class Ops:
     add_rms_norm: Callable
     gated_rms_norm: Callable
     rotary: Callable
+    qk_norm_rotary: Callable
     write_kv: Callable
     paged_attention: Callable
     paged_attention_decode: Callable
@@ -27,6 +28,7 @@ class Ops:
     causal_conv1d_update: Callable
     chunk_gated_delta_rule: Callable
     recurrent_gated_delta_rule: Callable
+    gated_delta_net_inputs: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -37,6 +39,7 @@ REFERENCE_OPS = Ops(
     add_rms_norm=norm.add_rms_norm,
     gated_rms_norm=norm.gated_rms_norm,
     rotary=rotary.rotary,
+    qk_norm_rotary=rotary.qk_norm_rotary,
     write_kv=attention.write_kv,
     paged_attention=attention.paged_attention,
     paged_attention_decode=attention.paged_attention_decode,
@@ -44,6 +47,7 @@ REFERENCE_OPS = Ops(
     causal_conv1d_update=conv.causal_conv1d_update,
     chunk_gated_delta_rule=delta_rule.chunk_gated_delta_rule,
     recurrent_gated_delta_rule=delta_rule.recurrent_gated_delta_rule,
+    gated_delta_net_inputs=delta_rule.gated_delta_net_inputs,
 )
 
 _chosen: dict[str, Ops] = {}
@@ -51,7 +55,8 @@ _chosen: dict[str, Ops] = {}
 
 def cpu_ops() -> Ops:
     """The reference with oneDNN projections and, where they build, the compiled kernels (decode
-    attention, RMS norms, SiLU-and-multiply, rotary, causal conv1d, gated delta rule)."""
+    attention and the KV write, RMS norms plain, residual and gated, SiLU-and-multiply, rotary
+    with or without q/k norms, causal conv1d, gated delta rule and its inputs)."""
     ops = REFERENCE_OPS
     if linear.onednn_available():
         ops = replace(ops, linear=linear.onednn_linear, pack_linear_weight=linear.pack_weight)
@@ -62,12 +67,16 @@ def cpu_ops() -> Ops:
             paged_attention_decode=cpu_ext.paged_attention_decode,
             rms_norm=cpu_ext.rms_norm,
             add_rms_norm=cpu_ext.add_rms_norm,
+            gated_rms_norm=cpu_ext.gated_rms_norm,
+            write_kv=cpu_ext.write_kv,
             silu_and_mul=cpu_ext.silu_and_mul,
             rotary=cpu_ext.rotary,
+            qk_norm_rotary=cpu_ext.qk_norm_rotary,
             causal_conv1d=cpu_ext.causal_conv1d,
             causal_conv1d_update=cpu_ext.causal_conv1d_update,
             chunk_gated_delta_rule=cpu_ext.chunk_gated_delta_rule,
             recurrent_gated_delta_rule=cpu_ext.recurrent_gated_delta_rule,
+            gated_delta_net_inputs=cpu_ext.gated_delta_net_inputs,
         )
     return ops
 

@@ -1,7 +1,11 @@
 """NeoX (rotate-half) rotary embedding on the leading `rotary_dim` dims of each head."""
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+from kernels import norm
 
 
 def rope_cache(rotary_dim: int, max_positions: int, base: float) -> Tensor:
@@ -36,3 +40,25 @@ def rotary(
         )
     cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
+
+
+def qk_norm_rotary(
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    cos_sin_cache: Tensor,
+    rotary_dim: int,
+    *,
+    eps: float,
+    offset: float,
+    rms_norm: Callable = norm.rms_norm,
+    rotary: Callable = rotary,
+) -> tuple[Tensor, Tensor]:
+    """`rotary` of q `[T, H, D]` and k `[T, Hkv, D]` after each head's RMS norm (`rms_norm` with
+    `q_weight` / `k_weight`): the attention inputs of Qwen3 and Qwen3.5. A device's own norm and
+    rotary kernels can be passed in; the CPU's compiled kernel does both in one pass."""
+    q = rms_norm(q, q_weight, eps, offset=offset)
+    k = rms_norm(k, k_weight, eps, offset=offset)
+    return rotary(positions, q, k, cos_sin_cache, rotary_dim)

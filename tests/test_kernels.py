@@ -40,12 +40,16 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
         paged_attention_decode=attention.paged_attention_decode,
         rms_norm=norm.rms_norm,
         add_rms_norm=norm.add_rms_norm,
+        gated_rms_norm=norm.gated_rms_norm,
+        write_kv=attention.write_kv,
         silu_and_mul=activation.silu_and_mul,
         rotary=rotary.rotary,
+        qk_norm_rotary=rotary.qk_norm_rotary,
         causal_conv1d=conv.causal_conv1d,
         causal_conv1d_update=conv.causal_conv1d_update,
         chunk_gated_delta_rule=delta_rule.chunk_gated_delta_rule,
         recurrent_gated_delta_rule=delta_rule.recurrent_gated_delta_rule,
+        gated_delta_net_inputs=delta_rule.gated_delta_net_inputs,
     )
     assert dataclasses.replace(cpu, **reference_parts) == REFERENCE_OPS
     assert (cpu.paged_attention_decode is cpu_ext.paged_attention_decode) == (
@@ -54,9 +58,9 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
     assert kernels.get_ops(torch.device("cuda", 1)) is REFERENCE_OPS
     assert {f.name for f in dataclasses.fields(kernels.Ops)} == {
         "linear", "pack_linear_weight", "silu_and_mul", "rms_norm", "add_rms_norm", "gated_rms_norm",
-        "rotary", "write_kv", "paged_attention",
+        "rotary", "qk_norm_rotary", "write_kv", "paged_attention",
         "paged_attention_decode", "causal_conv1d", "causal_conv1d_update",
-        "chunk_gated_delta_rule", "recurrent_gated_delta_rule",
+        "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_net_inputs",
     }  # fmt: skip
     with pytest.raises(dataclasses.FrozenInstanceError):
         ops.rms_norm = None  # type: ignore[misc]

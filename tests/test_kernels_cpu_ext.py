@@ -353,6 +353,72 @@ def test_rotary_matches_reference(dtype, head_dim, rotary_dim) -> None:
         cpu_ext.rotary(torch.tensor([0, 1, 2, 3, 600]), q, k, cache, rotary_dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(3, 1, 64, 32), (8, 2, 128, 128)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("gated", [False, True])
+def test_qk_norm_rotary_matches_reference(
+    dtype, heads, kv_heads, head_dim, rotary_dim, offset, gated
+) -> None:
+    """Per-head norms then rotary in one pass, on q and k as a fused projection leaves them:
+    rows strided, and for Qwen3.5 each query head's half of a [q | gate] row."""
+    from kernels import rotary
+
+    cache = kernels.rope_cache(rotary_dim, 600, 10000.0)
+    positions = torch.tensor([0, 599, 17, 17, 300])
+    q_width = heads * head_dim * (2 if gated else 1)
+    qkv = (torch.randn(5, q_width + 2 * kv_heads * head_dim) * 4).to(dtype)
+    q = qkv[:, :q_width].view(5, heads, -1)[..., :head_dim]
+    k = qkv[:, q_width : q_width + kv_heads * head_dim].view(5, kv_heads, head_dim)
+    q_weight, k_weight = torch.randn(head_dim) * 0.3, torch.randn(head_dim) * 0.3
+    args = (positions, q, k, q_weight.to(dtype), k_weight.to(dtype), cache, rotary_dim)
+    got = cpu_ext.qk_norm_rotary(*args, eps=1e-6, offset=offset)
+    want = rotary.qk_norm_rotary(*args, eps=1e-6, offset=offset)
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and g.dtype == dtype
+        torch.testing.assert_close(g, w, **ROW_TOL[dtype])
+    assert kernels.get_ops("cpu").qk_norm_rotary is cpu_ext.qk_norm_rotary
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_ext.qk_norm_rotary(*args[:3], q_weight[:8], *args[4:], eps=1e-6, offset=offset)
+    with pytest.raises(ValueError, match="outside the cos/sin table"):
+        cpu_ext.qk_norm_rotary(torch.tensor([0, 1, 2, 3, 600]), *args[1:], eps=1e-6, offset=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 3, 64), (37, 4, 128), (5, 1, 48)])
+def test_gated_rms_norm_matches_reference(dtype, tokens, heads, dim) -> None:
+    from kernels import norm
+
+    x = (torch.randn(tokens, heads, dim) * 3).to(dtype)
+    proj = (torch.randn(tokens, heads * dim + 7) * 4).to(dtype)
+    gate = proj[:, 7:].view(tokens, heads, dim)  # a slice of the fused input projection
+    gate[0, 0, 0] = -100.0  # the sigmoid inside SiLU must not overflow
+    weight = torch.randn(dim).to(dtype)
+    got = cpu_ext.gated_rms_norm(x, gate, weight, 1e-6)
+    torch.testing.assert_close(got, norm.gated_rms_norm(x, gate, weight, 1e-6), **ROW_TOL[dtype])
+    assert kernels.get_ops("cpu").gated_rms_norm is cpu_ext.gated_rms_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(dtype) -> None:
+    """New keys and values land in their slots bit for bit; negative slots are skipped and
+    nothing else in the caches changes."""
+    shape = (6, 16, 2, 64)
+    caches = [torch.randn(shape).to(dtype) for _ in range(2)]
+    compiled = [c.clone() for c in caches]
+    kv = torch.randn(7, 3 * 2 * 64).to(dtype)
+    key, value = kv[:, :128].view(7, 2, 64), kv[:, 128:256].view(7, 2, 64)  # strided rows
+    slots = torch.tensor([3, -1, 17, 95, 0, 40, -1])
+    attention.write_kv(key, value, *caches, slots)
+    cpu_ext.write_kv(key, value, *compiled, slots)
+    assert all(torch.equal(a, b) for a, b in zip(caches, compiled))
+    assert kernels.get_ops("cpu").write_kv is cpu_ext.write_kv
+    with pytest.raises(ValueError, match="is outside the cache of 96 slots"):
+        cpu_ext.write_kv(key, value, *compiled, torch.tensor([0, 1, 2, 3, 4, 5, 96]))
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous int64"):
+        cpu_ext.write_kv(key, value, *compiled, slots[:3])
+
+
 def channels_last(*shape: int, dtype=torch.float32) -> torch.Tensor:
     x = torch.randn(*shape)
     x[0, 0, 0, :4] = torch.tensor([float("nan"), -0.0, 0.0, -3.0])[: shape[-1]]

@@ -344,3 +344,40 @@ def test_cpu_ops_use_the_compiled_linear_attention() -> None:
     assert ops.causal_conv1d_update is cpu_ext.causal_conv1d_update
     assert ops.chunk_gated_delta_rule is cpu_ext.chunk_gated_delta_rule
     assert ops.recurrent_gated_delta_rule is cpu_ext.recurrent_gated_delta_rule
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_heads,v_heads,dk,dv,tokens", [(3, 3, 64, 64, 1), (2, 4, 128, 96, 7)])
+def test_delta_rule_inputs_match_reference(dtype, k_heads, v_heads, dk, dv, tokens) -> None:
+    """Normalised q and k (each key head repeated for its value heads), the decay and write
+    gates, from slices of the fused projections as the model passes them."""
+    conv_dim = 2 * k_heads * dk + v_heads * dv
+    mixed = (torch.randn(tokens, conv_dim + 5) * 3).to(dtype)[:, 5:]  # strided rows
+    gates = (torch.randn(tokens, 2 * v_heads + 9) * 8).to(dtype)
+    gates[0, 9] = 30.0  # softplus past its threshold: the identity
+    a, b = gates[:, 9 : 9 + v_heads], gates[:, 9 + v_heads :]
+    A_log, dt_bias = torch.randn(v_heads).to(dtype), torch.randn(v_heads).to(dtype)
+    heads = dict(num_k_heads=k_heads, head_k_dim=dk, num_v_heads=v_heads)
+    got = cpu_ext.gated_delta_net_inputs(mixed, a, b, A_log, dt_bias, **heads)
+    want = delta_rule.gated_delta_net_inputs(mixed, a, b, A_log, dt_bias, **heads)
+    for g, w in zip(got, want):
+        assert g.is_contiguous()
+        close(g, w, 1e-6 if dtype == torch.float32 else 8e-3)
+    q, k, g, beta = got
+    assert q.shape == k.shape == (tokens, v_heads, dk) and q.dtype == dtype
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == (tokens, v_heads)
+    assert kernels.get_ops("cpu").gated_delta_net_inputs is cpu_ext.gated_delta_net_inputs
+
+
+def test_delta_rule_inputs_reject_bad_head_counts() -> None:
+    mixed, gates = torch.randn(2, 3 * 64 + 64), torch.randn(2, 3)
+    with pytest.raises(ValueError, match="must be a positive multiple of num_k_heads"):
+        cpu_ext.gated_delta_net_inputs(
+            mixed, gates, gates, torch.zeros(3), torch.zeros(3),
+            num_k_heads=2, head_k_dim=32, num_v_heads=3,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"a must be a cpu tensor \[2, 4\]"):
+        cpu_ext.gated_delta_net_inputs(
+            mixed, gates, gates, torch.zeros(4), torch.zeros(4),
+            num_k_heads=2, head_k_dim=32, num_v_heads=4,
+        )  # fmt: skip

@@ -1,9 +1,11 @@
 // Row-wise CPU kernels that fuse what the torch reference does in several passes over memory:
-// RMS norm (with the residual add), SiLU-and-multiply of a fused gate/up projection, and
-// NeoX rotary embedding of q and k; and for a streamed vocoder's channels-last [B, C, 1, T]
-// activations, a layer's carried input joined to its new input through a leaky ReLU, and sums
-// (a residual's, a stage's mean) whose terms are such joins, read in place without joining them.
-// fp32 and bf16 tensors; all arithmetic in fp32. Rows are split across torch's intra-op threads.
+// RMS norm (with the residual add, or gated by SiLU), SiLU-and-multiply of a fused gate/up
+// projection, NeoX rotary embedding of q and k (alone or after their per-head norms), Gated
+// DeltaNet's delta-rule inputs (normalised q and k, decay and write gates), new keys and values
+// into the paged caches; and for a streamed vocoder's channels-last [B, C, 1, T] activations, a
+// layer's carried input joined to its new input through a leaky ReLU, and sums (a residual's, a
+// stage's mean) whose terms are such joins, read in place without joining them. fp32 and bf16
+// tensors; all arithmetic in fp32. Rows are split across torch's intra-op threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -15,6 +17,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -171,36 +174,134 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// Rotate-half on the first `rot` dims of each head of one [T, heads, D] tensor (rows may be
-// strided; the head dim must be contiguous) into a contiguous output.
+// rms_norm(x, offset 0) * weight * silu(gate) over rows of `dim` (Gated DeltaNet's output
+// norm): x contiguous [T, H, D], gate [T, H, D] with a contiguous last dim.
+template <typename scalar_t>
+void gated_rms_norm_impl(const at::Tensor& x, const at::Tensor& gate, const float* weight, float eps,
+                         at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const int64_t g0 = gate.stride(0), g1 = gate.stride(1);
+  const scalar_t* in = x.const_data_ptr<scalar_t>();
+  const scalar_t* gates = gate.const_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, tokens * heads, std::max<int64_t>(1, kGrainElements / dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* src = in + r * dim;
+      const scalar_t* g = gates + (r / heads) * g0 + (r % heads) * g1;
+      scalar_t* dst = o + r * dim;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) sum += to_float(src[i]) * to_float(src[i]);
+      const float inv = 1.f / std::sqrt(sum / float(dim) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i)
+        dst[i] = narrow<scalar_t>(to_float(src[i]) * inv * weight[i] * splittts::silu(to_float(g[i])));
+    }
+  });
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps) {
+  check_rows(x, "gated_rms_norm", "x");
+  TORCH_CHECK_VALUE(x.dim() == 3 && gate.dim() == 3 && gate.sizes() == x.sizes() && gate.stride(2) == 1 &&
+                        gate.device().is_cpu(),
+                    "gated_rms_norm: x and gate must be [tokens, heads, dim] of one shape, gate's last dim "
+                    "contiguous, got ", x.sizes(), " and ", gate.sizes(), " strides ", gate.strides());
+  TORCH_CHECK_TYPE(gate.scalar_type() == x.scalar_type(), "gated_rms_norm: gate must be ", x.scalar_type(),
+                   " as x, got ", gate.scalar_type());
+  const auto scale = norm_scale(weight, x.size(-1), 0.0, "gated_rms_norm");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    gated_rms_norm_impl<float>(x, gate, scale.data(), float(eps), out);
+  else
+    gated_rms_norm_impl<c10::BFloat16>(x, gate, scale.data(), float(eps), out);
+  return out;
+}
+
+// Each new token's key and value rows [T, Hkv, D] (rows may be strided, the head dim
+// contiguous) copied to its slot of the paged caches [blocks, block_size, Hkv, D]; tokens whose
+// slot is negative are skipped.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  const int64_t tokens = key.size(0);
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                        v_cache.is_contiguous(),
+                    "write_kv: the caches must be contiguous [blocks, block_size, heads, dim] of one shape, got ",
+                    k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t heads = k_cache.size(2), dim = k_cache.size(3), slots = k_cache.size(0) * k_cache.size(1);
+  for (const auto& [x, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
+    TORCH_CHECK_VALUE(x->device().is_cpu() && x->dim() == 3 && x->size(0) == tokens && x->size(1) == heads &&
+                          x->size(2) == dim && x->stride(2) == 1 && x->stride(1) == dim,
+                      "write_kv: ", name, " must be a cpu tensor [", tokens, ", ", heads, ", ", dim,
+                      "] with contiguous heads, got ", x->sizes(), " strides ", x->strides());
+    TORCH_CHECK_TYPE(x->scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+                     "write_kv: ", name, " and the caches must share one dtype, got ", x->scalar_type(), " and ",
+                     k_cache.scalar_type());
+  }
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                        slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+                    "write_kv: slot_mapping must be contiguous int64 [", tokens, "], got ", slot_mapping.sizes(),
+                    " ", slot_mapping.scalar_type());
+  const int64_t* slot = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK_VALUE(slot[t] < slots, "write_kv: slot_mapping[", t, "] = ", slot[t], " is outside the cache of ",
+                      slots, " slots");
+  const int64_t row = heads * dim * int64_t(k_cache.element_size());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(key.const_data_ptr());
+  const auto* vp = static_cast<const char*>(value.const_data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slot[t] < 0) continue;
+    std::memcpy(kc + slot[t] * row, kp + t * ks, row);
+    std::memcpy(vc + slot[t] * row, vp + t * vs, row);
+  }
+}
+
+// Rotate-half of one head's row on its first `rot` dims (cos, sin: rot / 2 each); the dims past
+// `rot` are copied.
+template <typename scalar_t>
+inline void rotate_row(const scalar_t* src, scalar_t* dst, const float* cos, const float* sin, int64_t rot,
+                       int64_t dim) {
+  const int64_t half = rot / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+    dst[i] = narrow<scalar_t>(x1 * cos[i] - x2 * sin[i]);
+    dst[i + half] = narrow<scalar_t>(x2 * cos[i] + x1 * sin[i]);
+  }
+  for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
+}
+
+// Rotary on each head of one [T, heads, D] tensor (rows may be strided; the head dim must be
+// contiguous) into a contiguous output; with a norm `scale`, each head's row is RMS-normed
+// first and rounded to the dtype, as the reference norm returns it.
 template <typename scalar_t>
 void rotary_impl(const at::Tensor& x, const int64_t* positions, const float* cache, int64_t rot,
-                 at::Tensor& out) {
+                 at::Tensor& out, const float* scale = nullptr, float eps = 0.f) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = rot / 2;
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   const scalar_t* in = x.const_data_ptr<scalar_t>();
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, tokens, std::max<int64_t>(1, kGrainElements / (heads * dim)), [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> normed(scale != nullptr ? dim : 0);
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cache + positions[t] * rot;
-      const float* sin = cos + half;
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* src = in + t * s0 + h * s1;
-        scalar_t* dst = o + (t * heads + h) * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
-          dst[i] = narrow<scalar_t>(x1 * cos[i] - x2 * sin[i]);
-          dst[i + half] = narrow<scalar_t>(x2 * cos[i] + x1 * sin[i]);
+        if (scale != nullptr) {
+          norm_row(src, normed.data(), scale, dim, eps);
+          src = normed.data();
         }
-        for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
+        rotate_row(src, o + (t * heads + h) * dim, cos, cos + half, rot, dim);
       }
     }
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
-                                          const at::Tensor& cos_sin_cache, int64_t rotary_dim) {
+void check_rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& cos_sin_cache, int64_t rotary_dim) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
                     "rotary: q and k must be [tokens, heads, head_dim] with equal tokens and head_dim, got ",
                     q.sizes(), " and ", k.sizes());
@@ -227,16 +328,131 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at:
   for (int64_t t = 0; t < positions.size(0); ++t)
     TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_pos, "rotary: positions[", t, "] = ", pos[t],
                       " is outside the cos/sin table of ", max_pos, " positions");
+}
+
+// Rotary of q and k, each head's row RMS-normed first where norm scales are given.
+std::tuple<at::Tensor, at::Tensor> rotary_of(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& cos_sin_cache, int64_t rotary_dim,
+                                             const float* q_scale = nullptr, const float* k_scale = nullptr,
+                                             float eps = 0.f) {
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
   at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
   const float* cache = cos_sin_cache.const_data_ptr<float>();
   if (q.scalar_type() == at::kFloat) {
-    rotary_impl<float>(q, pos, cache, rotary_dim, q_out);
-    rotary_impl<float>(k, pos, cache, rotary_dim, k_out);
+    rotary_impl<float>(q, pos, cache, rotary_dim, q_out, q_scale, eps);
+    rotary_impl<float>(k, pos, cache, rotary_dim, k_out, k_scale, eps);
   } else {
-    rotary_impl<c10::BFloat16>(q, pos, cache, rotary_dim, q_out);
-    rotary_impl<c10::BFloat16>(k, pos, cache, rotary_dim, k_out);
+    rotary_impl<c10::BFloat16>(q, pos, cache, rotary_dim, q_out, q_scale, eps);
+    rotary_impl<c10::BFloat16>(k, pos, cache, rotary_dim, k_out, k_scale, eps);
   }
   return {q_out, k_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& cos_sin_cache, int64_t rotary_dim) {
+  check_rotary(positions, q, k, cos_sin_cache, rotary_dim);
+  return rotary_of(positions, q, k, cos_sin_cache, rotary_dim);
+}
+
+// rotary(rms_norm(q, q_weight), rms_norm(k, k_weight)) with per-head norms: Qwen3's and
+// Qwen3.5's attention inputs in one pass, strided q and k read in place.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(const at::Tensor& positions, const at::Tensor& q,
+                                                  const at::Tensor& k, const at::Tensor& q_weight,
+                                                  const at::Tensor& k_weight, const at::Tensor& cos_sin_cache,
+                                                  int64_t rotary_dim, double eps, double offset) {
+  check_rotary(positions, q, k, cos_sin_cache, rotary_dim);
+  const auto q_scale = norm_scale(q_weight, q.size(2), offset, "qk_norm_rotary");
+  const auto k_scale = norm_scale(k_weight, k.size(2), offset, "qk_norm_rotary");
+  return rotary_of(positions, q, k, cos_sin_cache, rotary_dim, q_scale.data(), k_scale.data(), float(eps));
+}
+
+// Gated DeltaNet's delta-rule inputs from its conv output `mixed_qkv` [T, >= 2 Hk Dk] and gate
+// projections `a`, `b` [T, Hv] (rows may be strided, last dims contiguous), in one pass per
+// token: q and k (the first two Hk Dk columns) L2-normalised per head in fp32 and rounded to the
+// dtype, each key head repeated for the Hv / Hk value heads that share it, into [T, Hv, Dk];
+// g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) rounded to the dtype, both as
+// fp32 [T, Hv].
+template <typename scalar_t>
+void gated_delta_net_inputs_impl(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const float* decay,
+                     const float* bias, int64_t hk, int64_t dk, int64_t hv, float eps, at::Tensor& q,
+                     at::Tensor& k, at::Tensor& g, at::Tensor& beta) {
+  const int64_t tokens = x.size(0), repeat = hv / hk, key_dim = hk * dk;
+  const scalar_t* in = x.const_data_ptr<scalar_t>();
+  const scalar_t* pa = a.const_data_ptr<scalar_t>();
+  const scalar_t* pb = b.const_data_ptr<scalar_t>();
+  scalar_t* outs[2] = {q.mutable_data_ptr<scalar_t>(), k.mutable_data_ptr<scalar_t>()};
+  float* pg = g.mutable_data_ptr<float>();
+  float* pbeta = beta.mutable_data_ptr<float>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kGrainElements / (2 * hv * dk)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int which = 0; which < 2; ++which) {
+        const scalar_t* row = in + t * x.stride(0) + which * key_dim;
+        for (int64_t h = 0; h < hk; ++h) {
+          const scalar_t* src = row + h * dk;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t i = 0; i < dk; ++i) sum += to_float(src[i]) * to_float(src[i]);
+          const float inv = 1.f / std::sqrt(sum + eps);
+          scalar_t* dst = outs[which] + (t * hv + h * repeat) * dk;
+#pragma omp simd
+          for (int64_t i = 0; i < dk; ++i) dst[i] = narrow<scalar_t>(to_float(src[i]) * inv);
+          for (int64_t r = 1; r < repeat; ++r) std::copy_n(dst, dk, dst + r * dk);
+        }
+      }
+      for (int64_t h = 0; h < hv; ++h) {
+        const float z = to_float(pa[t * a.stride(0) + h]) + bias[h];
+        const float softplus = z > 20.f ? z : std::log1p(std::exp(z));  // torch's threshold
+        pg[t * hv + h] = -decay[h] * softplus;
+        const float sigmoid = 1.f / (1.f + std::exp(-to_float(pb[t * b.stride(0) + h])));
+        pbeta[t * hv + h] = to_float(narrow<scalar_t>(sigmoid));
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_net_inputs(
+    const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
+    const at::Tensor& dt_bias, int64_t num_k_heads, int64_t head_k_dim, int64_t num_v_heads, double eps) {
+  const at::ScalarType dtype = mixed_qkv.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
+                   "gated_delta_net_inputs: mixed_qkv must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK_VALUE(num_k_heads > 0 && head_k_dim > 0 && num_v_heads > 0 && num_v_heads % num_k_heads == 0,
+                    "gated_delta_net_inputs: num_v_heads (", num_v_heads, ") must be a positive multiple of num_k_heads (",
+                    num_k_heads, ") and head_k_dim (", head_k_dim, ") positive");
+  const int64_t tokens = mixed_qkv.size(0);
+  TORCH_CHECK_VALUE(mixed_qkv.device().is_cpu() && mixed_qkv.dim() == 2 && mixed_qkv.stride(1) == 1 &&
+                        mixed_qkv.size(1) >= 2 * num_k_heads * head_k_dim,
+                    "gated_delta_net_inputs: mixed_qkv must be a cpu tensor [tokens, >= ", 2 * num_k_heads * head_k_dim,
+                    "] with a contiguous last dim, got ", mixed_qkv.sizes(), " strides ", mixed_qkv.strides());
+  for (const auto& [x, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
+    TORCH_CHECK_VALUE(x->device().is_cpu() && x->dim() == 2 && x->size(0) == tokens && x->size(1) == num_v_heads &&
+                          (num_v_heads == 1 || x->stride(1) == 1),
+                      "gated_delta_net_inputs: ", name, " must be a cpu tensor [", tokens, ", ", num_v_heads,
+                      "] with a contiguous last dim, got ", x->sizes(), " strides ", x->strides());
+    TORCH_CHECK_TYPE(x->scalar_type() == dtype, "gated_delta_net_inputs: ", name, " must be ", dtype, " as mixed_qkv, got ",
+                     x->scalar_type());
+  }
+  for (const auto& [x, name] : {std::pair{&A_log, "A_log"}, std::pair{&dt_bias, "dt_bias"}})
+    TORCH_CHECK_VALUE(x->dim() == 1 && x->size(0) == num_v_heads, "gated_delta_net_inputs: ", name, " must be [",
+                      num_v_heads, "], got ", x->sizes());
+  const at::Tensor A = A_log.to(at::kFloat).contiguous();
+  const at::Tensor bias = dt_bias.to(at::kFloat).contiguous();
+  std::vector<float> decay(num_v_heads);
+  for (int64_t h = 0; h < num_v_heads; ++h) decay[h] = std::exp(A.const_data_ptr<float>()[h]);
+  auto options = mixed_qkv.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor q = at::empty({tokens, num_v_heads, head_k_dim}, options);
+  at::Tensor k = at::empty({tokens, num_v_heads, head_k_dim}, options);
+  at::Tensor g = at::empty({tokens, num_v_heads}, options.dtype(at::kFloat));
+  at::Tensor beta = at::empty({tokens, num_v_heads}, options.dtype(at::kFloat));
+  if (tokens == 0) return {q, k, g, beta};
+  const float* shift = bias.const_data_ptr<float>();
+  if (dtype == at::kFloat)
+    gated_delta_net_inputs_impl<float>(mixed_qkv, a, b, decay.data(), shift, num_k_heads, head_k_dim, num_v_heads, float(eps), q, k, g,
+                           beta);
+  else
+    gated_delta_net_inputs_impl<c10::BFloat16>(mixed_qkv, a, b, decay.data(), shift, num_k_heads, head_k_dim, num_v_heads, float(eps),
+                                   q, k, g, beta);
+  return {q, k, g, beta};
 }
 
 // Channels-last [B, C, 1, T]: each batch's T x C values lie contiguous at its batch stride.
@@ -514,6 +730,12 @@ TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, int rotary_dim) -> (Tensor, Tensor)");
+  m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("qk_norm_rotary(Tensor positions, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, "
+        "Tensor cos_sin_cache, int rotary_dim, float eps, float offset) -> (Tensor, Tensor)");
+  m.def("gated_delta_net_inputs(Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, int num_k_heads, "
+        "int head_k_dim, int num_v_heads, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("join_channels_last(Tensor first, Tensor then, float slope, int keep) -> (Tensor, Tensor)");
   m.def("add_joined_(Tensor(a!) t, Tensor first, Tensor then) -> Tensor");
   m.def("mean_joined(Tensor[] firsts, Tensor[] thens, int length) -> (Tensor, Tensor[])");
@@ -524,6 +746,10 @@ TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("gated_rms_norm", &gated_rms_norm);
+  m.impl("write_kv", &write_kv);
+  m.impl("qk_norm_rotary", &qk_norm_rotary);
+  m.impl("gated_delta_net_inputs", &gated_delta_net_inputs);
   m.impl("join_channels_last", &join_channels_last);
   m.impl("add_joined_", &add_joined_);
   m.impl("mean_joined", &mean_joined);

@@ -142,6 +142,22 @@ class RotaryEmbedding:
     def __call__(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return self.ops.rotary(positions, q, k, self.cos_sin_cache, self.rotary_dim)
 
+    def normed(
+        self, positions: Tensor, q: Tensor, k: Tensor, q_norm: RMSNorm, k_norm: RMSNorm
+    ) -> tuple[Tensor, Tensor]:
+        """Rotary of q and k after each head's RMS norm (q_norm, k_norm), in one kernel."""
+        return self.ops.qk_norm_rotary(
+            positions,
+            q,
+            k,
+            q_norm.weight,
+            k_norm.weight,
+            self.cos_sin_cache,
+            self.rotary_dim,
+            eps=q_norm.eps,
+            offset=q_norm.offset,
+        )
+
 
 def rope_settings(config, head_dim: int, partial: bool) -> tuple[int, float]:
     """(rotary_dim, base) from the HF config's ``rope_parameters``; only plain RoPE is supported."""

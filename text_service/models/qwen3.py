@@ -42,9 +42,13 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(q.view(T, self.num_heads, D))
-        k = self.k_norm(k.view(T, self.num_kv_heads, D))
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.normed(
+            positions,
+            q.view(T, self.num_heads, D),
+            k.view(T, self.num_kv_heads, D),
+            self.q_norm,
+            self.k_norm,
+        )
         o = self.attn(q, k, v.view(T, self.num_kv_heads, D))
         return self.o_proj(o.reshape(T, self.num_heads * D))
 

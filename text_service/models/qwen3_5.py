@@ -1,7 +1,6 @@
 """Qwen3.5 text model (``qwen3_5_text``): Gated DeltaNet and gated full attention layers, dense MLP."""
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
@@ -24,12 +23,6 @@ from text_service.models.layers import (
 )
 
 LAYER_TYPES = ("full_attention", "linear_attention")
-
-
-def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class Qwen3_5Attention(nn.Module):
@@ -56,9 +49,9 @@ class Qwen3_5Attention(nn.Module):
         T, D = x.shape[0], self.head_dim
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q_gate = q_gate.view(T, self.num_heads, 2 * D)
-        q = self.q_norm(q_gate[..., :D])
-        k = self.k_norm(k.view(T, self.num_kv_heads, D))
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.normed(
+            positions, q_gate[..., :D], k.view(T, self.num_kv_heads, D), self.q_norm, self.k_norm
+        )
         o = self.attn(q, k, v.view(T, self.num_kv_heads, D))
         o = o * torch.sigmoid(q_gate[..., D:])
         return self.o_proj(o.reshape(T, self.num_heads * D))
@@ -141,15 +134,17 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         T, Hv = x.shape[0], self.num_v_heads
         mixed_qkv, z, b, a = self.in_proj_qkvzba.split(self.in_proj_qkvzba(x))
         mixed_qkv = self.conv1d(mixed_qkv, self.conv_state)
-        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.reshape(T, self.num_k_heads, self.head_k_dim))
-        k = l2_normalize(k.reshape(T, self.num_k_heads, self.head_k_dim))
-        if Hv != self.num_k_heads:  # each key head serves a run of consecutive value heads
-            q = q.repeat_interleave(Hv // self.num_k_heads, dim=1)
-            k = k.repeat_interleave(Hv // self.num_k_heads, dim=1)
-        v = v.reshape(T, Hv, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        q, k, g, beta = ops.gated_delta_net_inputs(
+            mixed_qkv,
+            a,
+            b,
+            self.A_log,
+            self.dt_bias,
+            num_k_heads=self.num_k_heads,
+            head_k_dim=self.head_k_dim,
+            num_v_heads=Hv,
+        )
+        v = mixed_qkv[:, 2 * self.key_dim :].reshape(T, Hv, self.head_v_dim)
         scale = self.head_k_dim**-0.5
         ssm_state = self.ssm_state
 
