@@ -171,7 +171,7 @@ def _compiled(*tensors: Tensor) -> bool:
     if dtype not in _DTYPES:
         return False
     for t in tensors:
-        if t.dtype != dtype or t.device.type != "cpu":
+        if t.dtype != dtype or not t.is_cpu:  # is_cpu: no device object built per call
             return False
     return True
 

@@ -202,3 +202,18 @@ def test_very_low_temperature_is_greedy_not_nan():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5)) * 100
     tokens = sample([SamplingParams(temperature=1e-9)] * 4, logits)
     assert tokens == logits.argmax(-1).tolist()
+
+
+def test_logsumexp_equals_torch_bit_for_bit() -> None:
+    """The phoneme-synchronous pool's logsumexp: torch's formula in fewer operators, so its
+    results (and the tokens they pick) are torch's, infinities and empty rows included."""
+    from text_service.sampler import logsumexp
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 1152) * 20
+    x[0] = float("-inf")  # a fully masked row
+    x[1, 7] = float("inf")
+    x[2, :500] = float("-inf")
+    for rows in (x, x[:, :128], x[:, 1000:], x[:1, :1]):
+        assert torch.equal(logsumexp(rows), torch.logsumexp(rows, -1))
+    assert torch.equal(logsumexp(x[:, :0]), torch.logsumexp(x[:, :0], -1))
