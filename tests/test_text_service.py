@@ -96,9 +96,10 @@ def test_stream_chunks_ramp_up_after_an_immediate_first_token(service):
     sizes = [len(r.token_ids) for r in responses[:-1]]
     assert tokens == plain and sum(sizes) == 40
     # the first message leaves with whatever the first step(s) made, not after 20 tokens; then
-    # messages wait for at least 2, 4, 8, 16, then 20 tokens (the last takes what is left)
+    # messages wait for at least 2, 4, 4, 4, 4, then 20 tokens (the last takes what is left)
+    ramp = [*StreamChunks.RAMP[1:], *[20] * len(sizes)]
     assert sizes[0] < 20 and len(sizes) >= 2
-    assert all(n >= min(20, 2**i) for i, n in enumerate(sizes[:-1]))
+    assert all(n >= ramp[i] for i, n in enumerate(sizes[1:-1]))
     assert [r.first_token_index for r in responses[:-1]] == [
         sum(sizes[:i]) for i in range(len(sizes))
     ]
@@ -112,9 +113,15 @@ def test_stream_chunk_sizes_ramp_from_one_token_to_the_most():
             sizes.append(pending)
             pending = 0
             chunks.sent()
-    assert sizes == [1, 2, 4, 8, 8, 8, 8] and pending == 1
+    assert sizes == [1, 2, 4, 4, 4, 4, 8, 8] and pending == 5
     assert chunks.ready(1, done=True) and not chunks.ready(0, done=True)
     assert [StreamChunks(n).most for n in (0, 1, -3)] == [1, 1, 1]
+    three = StreamChunks(3)
+    targets = []
+    for _ in range(8):
+        targets.append(three.target)
+        three.sent()
+    assert targets == [1, 2, 3, 3, 3, 3, 3, 3]  # never above `most`
 
 
 def test_stop_ids_allowed_range_and_seed(service):

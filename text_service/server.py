@@ -83,18 +83,31 @@ def _phoneme_sync(request: pb.GenerateRequest) -> PhonemeSync | None:
 
 class StreamChunks:
     """When a Generate stream's pending tokens leave: the first token at once (it is the TTFT),
-    then messages of at least 2, 4, ... tokens up to `most`. The tokens the first audio waits
-    for are not held back behind a full message, and later tokens travel in few messages."""
+    then messages of at least 2 tokens, then 4 (four of those), then `most`.
+
+    A speech stream's first audio waits for about a dozen speech tokens and the phonemes
+    written between them: 13-19 tokens on the default voice's natural held-out sentences.
+    Messages of 4 deliver the token that completes them at most 3 tokens late (1.5 on average);
+    doubling straight to 8 left 4 on average, 3.6 ms of time to first audio at one stream
+    (bench/README.md). Later tokens travel in few messages.
+    """
+
+    RAMP = (1, 2, 4, 4, 4, 4)  # least tokens in each of the first messages (at most `most`)
 
     def __init__(self, most: int):
         self.most = max(1, most)
-        self.target = 1
+        self.sent_messages = 0
+
+    @property
+    def target(self) -> int:
+        ramp = self.RAMP[self.sent_messages] if self.sent_messages < len(self.RAMP) else self.most
+        return min(self.most, ramp)
 
     def ready(self, pending: int, done: bool) -> bool:
         return pending > 0 and (pending >= self.target or done)
 
     def sent(self) -> None:
-        self.target = min(self.most, 2 * self.target)
+        self.sent_messages += 1
 
 
 class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
