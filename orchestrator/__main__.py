@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of audio a call may have made ahead of what its caller has read",
     )
     p.add_argument(
+        "--pace",
+        type=float,
+        default=1.25,
+        help="a phoneme-synced segment's tokens are generated at most this many times as fast "
+        "as its audio plays, after a lead of the first audio's tokens (0: as fast as possible)",
+    )
+    p.add_argument(
         "--health-interval", type=float, default=1.0, help="seconds between replica health checks"
     )
     p.add_argument("--grace", type=float, default=10.0)
@@ -102,7 +109,15 @@ async def run(args: argparse.Namespace) -> None:
         args.vocoder_service, "splittts.vocoder.v1.Vocoder", args.health_interval, backend_creds
     )
     frontends = {v.name: FrontEnd(v.text_frontend) for v in voices}
-    pipeline = Pipeline(text_pool, vocoder_pool, frontends, max_audio_ahead_s=args.max_audio_ahead)
+    if not (args.pace == 0 or args.pace >= 1):
+        raise ValueError(f"--pace must be 0 (off) or >= 1 (got {args.pace})")
+    pipeline = Pipeline(
+        text_pool,
+        vocoder_pool,
+        frontends,
+        max_audio_ahead_s=args.max_audio_ahead,
+        pace_realtime=args.pace,
+    )
     servicer = TextToSpeechServicer(pipeline, voices, max_in_flight=args.max_in_flight)
 
     async def warmup() -> None:

@@ -213,9 +213,16 @@ class Pipeline:
         lookahead_segments: int = 1,
         stream_chunk_tokens: int = 8,
         max_audio_ahead_s: float = 4.0,
+        pace_realtime: float = 1.25,
+        pace_lead_tokens: int = 64,
     ):
         if max_audio_ahead_s <= 0:
             raise ValueError(f"max_audio_ahead_s must be > 0 (got {max_audio_ahead_s})")
+        if not (pace_realtime == 0 or pace_realtime >= 1) or pace_lead_tokens < 1:
+            raise ValueError(
+                f"pace_realtime must be 0 (off) or >= 1 and pace_lead_tokens >= 1 (got "
+                f"{pace_realtime}, {pace_lead_tokens})"
+            )
         self.text_pool = text_pool
         self.vocoder_pool = vocoder_pool
         self.frontends = frontends  # voice name -> FrontEnd
@@ -227,6 +234,13 @@ class Pipeline:
         # audio made ahead of what the caller has taken: past it the Vocode stream is not read,
         # so a paused caller backs up to the vocoder and from there to the text service
         self.max_audio_ahead_s = max_audio_ahead_s
+        # A planned segment's tokens are generated at most this many times as fast as its audio
+        # plays, after a lead of about the first audio's tokens and a second of speech: run
+        # flat out, each stream's tokens came in a burst of a few hundred ms, so at 8 streams
+        # the text service stepped 1-2 sequences at a time, in bursts that took the vocoder's
+        # CPU (bench/README.md). 0: flat out.
+        self.pace_realtime = pace_realtime
+        self.pace_lead_tokens = pace_lead_tokens
         self._planners: dict[str, SyncPlanner | None] = {}
 
     def planner(self, voice: VoiceSpec) -> SyncPlanner | None:
@@ -496,6 +510,7 @@ class Pipeline:
                     min_tokens=p.min_tokens,
                     max_tokens=p.max_tokens,
                 ),
+                pace=self._pace(voice, p),
             )
         allowed = voice.allowed_token_range or voice.speech_token_range
         return text_pb2.GenerateRequest(
@@ -506,6 +521,19 @@ class Pipeline:
             stop_token_ids=[voice.end_token_id],
             stream_chunk_tokens=self.stream_chunk_tokens,
             allowed_tokens=text_pb2.TokenRange(start=allowed[0], end=allowed[1]),
+        )
+
+    def _pace(self, voice: VoiceSpec, plan) -> text_pb2.Pace | None:
+        """`pace_realtime` times the rate at which the plan's output is used: its LM tokens
+        (phonemes, the planned speech tokens, the end) over its speech's seconds."""
+        speech = sum(lo + hi for lo, hi in zip(plan.min_tokens, plan.max_tokens)) / 2
+        if self.pace_realtime == 0 or speech <= 0:
+            return None
+        seconds = speech * voice.samples_per_token / voice.sample_rate
+        tokens = len(plan.phoneme_ids) + speech + 1
+        return text_pb2.Pace(
+            tokens_per_second=self.pace_realtime * tokens / seconds,
+            lead_tokens=self.pace_lead_tokens,
         )
 
     async def _generate(

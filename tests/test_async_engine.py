@@ -190,3 +190,67 @@ def test_a_reader_that_falls_behind_pauses_only_its_own_request_until_it_catches
 def test_max_backlog_must_be_positive():
     with pytest.raises(ValueError, match="max_backlog"):
         AsyncEngine(FakeEngine(), max_backlog=0)
+
+
+def test_a_paced_request_waits_while_ahead_and_makes_the_same_tokens():
+    """Through the real engine (the default voice's LM): a request with a Pace has at most
+    lead + rate * t output tokens t seconds after its first (one step's token over, as the check
+    follows the step), resumes at the ticks and ends with the tokens it makes unpaced; the
+    unpaced request beside it is never held; aborting a held request frees it."""
+    import time
+    from pathlib import Path
+
+    from text_service.async_engine import Pace
+    from text_service.engine import EngineArgs, LLMEngine
+
+    lm = Path(__file__).resolve().parents[1] / "voices" / "default" / "lm"
+    engine = LLMEngine(
+        EngineArgs(model=str(lm), device="cpu", max_num_seqs=4, kv_cache_memory_bytes=1 << 26)
+    )
+    held: list[str] = []
+    pause = engine.pause_request
+    engine.pause_request = lambda rid: held.append(rid) or pause(rid)  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompt = [1, 40, 41, 42, 43, 44, 2]
+    pace = Pace(tokens_per_second=100.0, lead_tokens=10)
+
+    async def read(stream):
+        tokens, times, finished = [], [], False
+        while not finished:
+            for ev in await stream.next_events():
+                tokens += ev.token_ids
+                times += [(time.perf_counter(), len(tokens))]
+                finished = ev.finished
+        return tokens, times
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            paced = ae.add("paced", prompt, params, pace)
+            free = ae.add("free", prompt, params)
+            (paced_tokens, times), (free_tokens, _) = await asyncio.gather(read(paced), read(free))
+            ae.release("paced")
+            ae.release("free")
+            doomed = ae.add("doomed", prompt, SamplingParams(max_tokens=500, ignore_eos=True), pace)
+            while not held.count("doomed"):
+                await doomed.next_events()
+            ae.abort("doomed")
+            await asyncio.sleep(0.2)
+            return (
+                paced_tokens,
+                times,
+                free_tokens,
+                dict(ae._held),
+                engine.has_unfinished_requests(),
+            )
+        finally:
+            ae.stop()
+
+    paced_tokens, times, free_tokens, still_held, unfinished = run(main())
+    assert paced_tokens == free_tokens and len(paced_tokens) == 60
+    first = times[0][0]
+    assert all(n <= pace.lead_tokens + pace.tokens_per_second * (t - first) + 1 for t, n in times)
+    assert "paced" in held and "free" not in held
+    assert times[-1][0] - first >= (60 - 1 - pace.lead_tokens) / pace.tokens_per_second
+    assert still_held == {} and not unfinished

@@ -141,3 +141,28 @@ def test_word_timings_of_the_default_voice(deployment):
     assert all(a.start_ms <= a.end_ms <= b.start_ms for a, b in zip(words, words[1:]))
     assert sum(w.end_ms > w.start_ms for w in words) >= len(words) - 1
     assert 0 <= words[0].start_ms and words[-1].end_ms <= 1e3 * audio_s + 1e-6
+
+
+def test_planned_segments_are_paced_from_their_plan():
+    """The orchestrator asks the text service for a planned segment's tokens at `pace_realtime`
+    times the rate its audio plays (phonemes, planned speech and end over the speech's
+    seconds), after a lead; a pace of 0 leaves generation unpaced."""
+    from orchestrator.frontend import FrontEnd
+    from orchestrator.pipeline import Pipeline
+    from orchestrator.voices import VoiceSpec
+
+    voice = VoiceSpec.load(VOICE)
+    segment = FrontEnd(voice.text_frontend).process(SENTENCE, "en-US")[0]
+    pipeline = Pipeline(None, None, {}, pace_realtime=1.25)
+    plan = pipeline.planner(voice).plan(segment.model_input)
+    pace = pipeline._pace(voice, plan)
+    speech = (sum(plan.min_tokens) + sum(plan.max_tokens)) / 2
+    seconds = speech * 512 / 22050  # 2 frames of 256 samples a token at 22.05 kHz
+    assert voice.samples_per_token == 512 and voice.sample_rate == 22050
+    expected = 1.25 * (len(plan.phoneme_ids) + speech + 1) / seconds
+    assert pace.tokens_per_second == pytest.approx(expected, rel=1e-6)
+    assert 1.25 * 43 < pace.tokens_per_second < 1.25 * 43 * 3  # phonemes ride on the speech
+    assert pace.lead_tokens == 64
+    assert Pipeline(None, None, {}, pace_realtime=0)._pace(voice, plan) is None
+    with pytest.raises(ValueError, match="pace_realtime must be 0"):
+        Pipeline(None, None, {}, pace_realtime=0.5)

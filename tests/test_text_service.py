@@ -264,6 +264,22 @@ BAD = {
         ),
         "max_tokens: 5 cannot hold the constrained output",
     ),
+    "pace without a rate": (
+        dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=5, pace=pb.Pace(lead_tokens=8)),
+        "pace.tokens_per_second: must be > 0 and finite",
+    ),
+    "pace at an infinite rate": (
+        dict(
+            token_ids=pb.TokenIds(ids=[1]),
+            max_tokens=5,
+            pace=pb.Pace(tokens_per_second=float("inf"), lead_tokens=8),
+        ),
+        "pace.tokens_per_second: must be > 0 and finite",
+    ),
+    "pace without a lead": (
+        dict(token_ids=pb.TokenIds(ids=[1]), max_tokens=5, pace=pb.Pace(tokens_per_second=50)),
+        "pace.lead_tokens: must be >= 1",
+    ),
 }
 
 

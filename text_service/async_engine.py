@@ -57,6 +57,29 @@ class RequestStream:
         return items
 
 
+@dataclass(frozen=True)
+class Pace:
+    """A request that needs its tokens no faster than they are used (a speech stream's play as
+    audio): by t seconds after its first token it has at most `lead_tokens` +
+    `tokens_per_second` * t output tokens; past that it waits."""
+
+    tokens_per_second: float
+    lead_tokens: int
+
+    def ahead(self, seq: Sequence, now: float) -> bool:
+        """Whether `seq` has used up its allowance at `now`."""
+        if seq.first_token_time is None:
+            return False
+        allowed = self.lead_tokens + self.tokens_per_second * (now - seq.first_token_time)
+        return seq.num_output_tokens >= allowed
+
+
+# Requests held by their pace resume together, at most this often, so that they share steps: a
+# step of 8 sequences of the default voice's LM costs 1.3x a step of one, so each stream running
+# whenever its own allowance grows makes steps of one or two and spends the CPU the vocoder needs.
+PACE_TICK_S = 0.1
+
+
 class AsyncEngine:
     """Owns the engine thread. `add` and `abort` may be called from the event loop at any time.
 
@@ -64,7 +87,9 @@ class AsyncEngine:
     and hands every result back through `call_soon_threadsafe`, so neither reads what the other
     mutates. A request with `max_backlog` tokens delivered but not yet taken is paused (kept in
     the cache, not decoded) until its caller catches up: a slow reader slows its own request
-    only, and its queue stays bounded. If the loop dies, every request fails at once, `error` is set, `add` refuses work
+    only, and its queue stays bounded. A request with a `Pace` is also paused while it is ahead
+    of it, until the next of the ticks at which every such request whose allowance has grown
+    resumes (`PACE_TICK_S`). If the loop dies, every request fails at once, `error` is set, `add` refuses work
     and `on_failure` is called on the event loop.
     """
 
@@ -84,6 +109,9 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._running: dict[str, RequestStream] = {}  # engine thread only
         self._backlog: dict[str, int] = {}  # engine thread only: tokens delivered, not taken
+        self._paces: dict[str, Pace] = {}  # engine thread only: the paced running requests
+        self._held: dict[str, Sequence] = {}  # engine thread only: paused by their pace
+        self._next_tick = 0.0  # engine thread only: when held requests may resume
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -112,7 +140,11 @@ class AsyncEngine:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pace: Pace | None = None,
     ) -> RequestStream:
         """Admit a request (already validated); raises CapacityError past `max_pending`."""
         if self.error is not None:
@@ -128,7 +160,7 @@ class AsyncEngine:
             request_id, time.perf_counter(), on_taken=lambda n: self._taken(request_id, n)
         )
         self._streams[request_id] = stream
-        self._commands.put(("add", stream, prompt_token_ids, params))
+        self._commands.put(("add", stream, prompt_token_ids, params, pace))
         self._wake.set()
         return stream
 
@@ -178,7 +210,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, stream, prompt, params = cmd
+                _, stream, prompt, params, pace = cmd
                 try:
                     self.engine.add_request(
                         stream.request_id, prompt, params, arrival_time=stream.arrival_time
@@ -188,27 +220,60 @@ class AsyncEngine:
                 else:
                     self._running[stream.request_id] = stream
                     self._backlog[stream.request_id] = 0
+                    if pace is not None:
+                        self._paces[stream.request_id] = pace
             elif cmd[0] == "taken":
                 _, rid, n = cmd
                 if rid in self._backlog:
                     self._backlog[rid] -= n
-                    if self._backlog[rid] < self.max_backlog:
+                    if self._backlog[rid] < self.max_backlog and rid not in self._held:
                         self.engine.resume_request(rid)
             elif self._running.pop(cmd[1], None) is not None:
-                self._backlog.pop(cmd[1], None)
+                self._forget(cmd[1])
                 self.engine.abort_request(cmd[1])
+
+    def _forget(self, rid: str) -> None:
+        self._backlog.pop(rid, None)
+        self._paces.pop(rid, None)
+        self._held.pop(rid, None)
+
+    def _resume_paced(self, now: float) -> None:
+        """At a tick, resume every held request whose allowance has grown (its reader allowing)."""
+        if not self._held or now < self._next_tick:
+            return
+        self._next_tick = now + PACE_TICK_S
+        for rid, seq in list(self._held.items()):
+            if not self._paces[rid].ahead(seq, now):
+                del self._held[rid]
+                if self._backlog[rid] < self.max_backlog:
+                    self.engine.resume_request(rid)
+
+    def _hold_paced(self, outputs, now: float) -> None:
+        for out in outputs:
+            if out.finished:
+                continue
+            rid = str(out.seq.seq_id)
+            pace = self._paces.get(rid)
+            if pace is not None and rid not in self._held and pace.ahead(out.seq, now):
+                if self.engine.pause_request(rid):
+                    self._held[rid] = out.seq
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
+                self._resume_paced(time.perf_counter())
                 if not self.engine.has_runnable_requests():  # idle, or every request paused
                     self.stats = self.engine.stats()
-                    self._wake.wait(0.5)
+                    wait = 0.5
+                    if self._held:  # until the next tick
+                        wait = min(wait, max(0.0, self._next_tick - time.perf_counter()))
+                    self._wake.wait(wait)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 now = time.perf_counter()
+                self._hold_paced(outputs, now)
                 events: list[tuple[RequestStream, TokenEvent]] = []
                 for out in outputs:
                     if out.new_token_ids or out.finished:
@@ -223,7 +288,7 @@ class AsyncEngine:
                             )
                         )
                         if out.finished:
-                            self._backlog.pop(rid, None)
+                            self._forget(rid)
                             continue
                         self._backlog[rid] += len(out.new_token_ids)
                         if self._backlog[rid] >= self.max_backlog:
@@ -236,6 +301,8 @@ class AsyncEngine:
             log.exception("engine loop crashed; failing every request")
             self._running.clear()
             self._backlog.clear()
+            self._paces.clear()
+            self._held.clear()
             try:
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._fail_all, exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from servicekit.errors import InvalidArgument, ResourceExhausted
 from servicekit.logs import log_event
 from splittts.text.v1 import text_pb2 as pb, text_pb2_grpc
 from text_service import metrics
-from text_service.async_engine import AsyncEngine
+from text_service.async_engine import AsyncEngine, Pace
 from text_service.constraints import PhonemeSync
 from text_service.errors import CapacityError, InvalidRequestError
 from text_service.sampling_params import SamplingParams
@@ -162,6 +163,17 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             return "token_ids", ids
         raise InvalidArgument("prompt: set either text or token_ids")
 
+    @staticmethod
+    def _pace(request: pb.GenerateRequest) -> Pace | None:
+        if not request.HasField("pace"):
+            return None
+        rate, lead = request.pace.tokens_per_second, request.pace.lead_tokens
+        if not (math.isfinite(rate) and rate > 0):
+            raise InvalidArgument("pace.tokens_per_second: must be > 0 and finite")
+        if lead < 1:
+            raise InvalidArgument("pace.lead_tokens: must be >= 1")
+        return Pace(rate, lead)
+
     def _params(self, request: pb.GenerateRequest, field: str, prompt_len: int) -> SamplingParams:
         s = request.sampling
         if prompt_len > self.max_model_len:
@@ -205,10 +217,11 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         """Stream the sampled token ids; the last message has finish reason, usage, timings."""
         field, prompt = await self._prompt(request)
         params = self._params(request, field, len(prompt))
+        pace = self._pace(request)
         request_id = request.request_id or uuid.uuid4().hex
         tracing.annotate(**{"splittts.request_id": request_id})
         try:
-            stream = self.engine.add(request_id, prompt, params)
+            stream = self.engine.add(request_id, prompt, params, pace)
         except CapacityError as exc:
             raise ResourceExhausted(str(exc)) from None
         except ValueError as exc:
