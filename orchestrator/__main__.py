@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--pace",
         type=float,
         default=1.25,
-        help="a phoneme-synced segment's tokens are generated at most this many times as fast "
-        "as its audio plays, after a lead of the first audio's tokens (0: as fast as possible)",
+        help="while other requests run, a phoneme-synced segment's tokens are generated at "
+        "most this many times as fast as its audio plays, after a lead of the first audio's "
+        "tokens (0: as fast as possible)",
     )
     p.add_argument(
         "--health-interval", type=float, default=1.0, help="seconds between replica health checks"

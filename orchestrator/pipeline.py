@@ -234,11 +234,11 @@ class Pipeline:
         # audio made ahead of what the caller has taken: past it the Vocode stream is not read,
         # so a paused caller backs up to the vocoder and from there to the text service
         self.max_audio_ahead_s = max_audio_ahead_s
-        # A planned segment's tokens are generated at most this many times as fast as its audio
-        # plays, after a lead of about the first audio's tokens and a second of speech: run
-        # flat out, each stream's tokens came in a burst of a few hundred ms, so at 8 streams
-        # the text service stepped 1-2 sequences at a time, in bursts that took the vocoder's
-        # CPU (bench/README.md). 0: flat out.
+        # While other requests run, a planned segment's tokens are generated at most this many
+        # times as fast as its audio plays, after a lead of about the first audio's tokens and a
+        # second of speech: run flat out, each stream's tokens came in a burst of a few hundred
+        # ms, so at 8 streams the text service stepped 1-2 sequences at a time, in bursts that
+        # took the vocoder's CPU (bench/README.md). 0: flat out.
         self.pace_realtime = pace_realtime
         self.pace_lead_tokens = pace_lead_tokens
         self._planners: dict[str, SyncPlanner | None] = {}

@@ -193,10 +193,11 @@ def test_max_backlog_must_be_positive():
 
 
 def test_a_paced_request_waits_while_ahead_and_makes_the_same_tokens():
-    """Through the real engine (the default voice's LM): a request with a Pace has at most
-    lead + rate * t output tokens t seconds after its first (one step's token over, as the check
-    follows the step), resumes at the ticks and ends with the tokens it makes unpaced; the
-    unpaced request beside it is never held; aborting a held request frees it."""
+    """Through the real engine (the default voice's LM): beside other requests, one with a Pace
+    has at most lead + rate * t output tokens t seconds after its first (one step's token over,
+    as the check follows the step), resumes at the ticks and ends with the tokens it makes
+    unpaced; the unpaced request beside it is never held; aborting a held request frees it; a
+    paced request alone is never held."""
     import time
     from pathlib import Path
 
@@ -210,9 +211,11 @@ def test_a_paced_request_waits_while_ahead_and_makes_the_same_tokens():
     held: list[str] = []
     pause = engine.pause_request
     engine.pause_request = lambda rid: held.append(rid) or pause(rid)  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompt = [1, 40, 41, 42, 43, 44, 2]
     pace = Pace(tokens_per_second=100.0, lead_tokens=10)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     async def read(stream):
         tokens, times, finished = [], [], False
@@ -227,30 +230,27 @@ def test_a_paced_request_waits_while_ahead_and_makes_the_same_tokens():
         ae = AsyncEngine(engine)
         ae.start()
         try:
-            paced = ae.add("paced", prompt, params, pace)
-            free = ae.add("free", prompt, params)
+            companion = ae.add("companion", prompt, params(1000), pace)  # runs throughout
+            paced = ae.add("paced", prompt, params(60), pace)
+            free = ae.add("free", prompt, params(60))
             (paced_tokens, times), (free_tokens, _) = await asyncio.gather(read(paced), read(free))
-            ae.release("paced")
-            ae.release("free")
-            doomed = ae.add("doomed", prompt, SamplingParams(max_tokens=500, ignore_eos=True), pace)
-            while not held.count("doomed"):
-                await doomed.next_events()
-            ae.abort("doomed")
-            await asyncio.sleep(0.2)
-            return (
-                paced_tokens,
-                times,
-                free_tokens,
-                dict(ae._held),
-                engine.has_unfinished_requests(),
-            )
+            while "companion" not in held:
+                await companion.next_events()
+            ae.abort("companion")  # held by its pace: its blocks and slot are freed
+            for rid in ("paced", "free"):
+                ae.release(rid)
+            await asyncio.sleep(0.3)
+            after_abort = (dict(ae._held), engine.has_unfinished_requests(), set(held))
+            held.clear()
+            solo_tokens, _ = await read(ae.add("solo", prompt, params(60), pace))
+            return paced_tokens, times, free_tokens, after_abort, solo_tokens
         finally:
             ae.stop()
 
-    paced_tokens, times, free_tokens, still_held, unfinished = run(main())
-    assert paced_tokens == free_tokens and len(paced_tokens) == 60
+    paced_tokens, times, free_tokens, after_abort, solo_tokens = run(main())
+    assert paced_tokens == free_tokens == solo_tokens and len(paced_tokens) == 60
     first = times[0][0]
     assert all(n <= pace.lead_tokens + pace.tokens_per_second * (t - first) + 1 for t, n in times)
-    assert "paced" in held and "free" not in held
     assert times[-1][0] - first >= (60 - 1 - pace.lead_tokens) / pace.tokens_per_second
-    assert still_held == {} and not unfinished
+    assert after_abort == ({}, False, {"companion", "paced"})  # the unpaced one never held
+    assert held == []  # alone, the paced request ran flat out

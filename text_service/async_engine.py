@@ -88,9 +88,9 @@ class AsyncEngine:
     mutates. A request with `max_backlog` tokens delivered but not yet taken is paused (kept in
     the cache, not decoded) until its caller catches up: a slow reader slows its own request
     only, and its queue stays bounded. A request with a `Pace` is also paused while it is ahead
-    of it, until the next of the ticks at which every such request whose allowance has grown
-    resumes (`PACE_TICK_S`). If the loop dies, every request fails at once, `error` is set, `add` refuses work
-    and `on_failure` is called on the event loop.
+    of it and others run, until the next of the ticks at which every such request whose
+    allowance has grown resumes (`PACE_TICK_S`). If the loop dies, every request fails at once,
+    `error` is set, `add` refuses work and `on_failure` is called on the event loop.
     """
 
     def __init__(
@@ -238,17 +238,24 @@ class AsyncEngine:
         self._held.pop(rid, None)
 
     def _resume_paced(self, now: float) -> None:
-        """At a tick, resume every held request whose allowance has grown (its reader allowing)."""
-        if not self._held or now < self._next_tick:
+        """At a tick, resume every held request whose allowance has grown (its reader allowing);
+        at once, every held request when it is alone: pacing is how requests share steps and
+        CPU, and a lone request's caller (a whole file, say) should not wait for its pace."""
+        if not self._held:
+            return
+        alone = len(self._running) <= 1
+        if now < self._next_tick and not alone:
             return
         self._next_tick = now + PACE_TICK_S
         for rid, seq in list(self._held.items()):
-            if not self._paces[rid].ahead(seq, now):
+            if alone or not self._paces[rid].ahead(seq, now):
                 del self._held[rid]
                 if self._backlog[rid] < self.max_backlog:
                     self.engine.resume_request(rid)
 
     def _hold_paced(self, outputs, now: float) -> None:
+        if len(self._running) <= 1:
+            return  # alone: nothing to share with
         for out in outputs:
             if out.finished:
                 continue
