@@ -317,6 +317,8 @@ def main() -> int:
             "rtf": c1["rtf_mean"],
             "rtf_c4": c4["rtf_mean"],
             "rtf_c8": c8["rtf_mean"],
+            # the slowest stream's: the goal is every stream in real time, not the mean
+            "rtf_max": {f"c{lv['concurrency']}": lv["rtf_max"] for lv in (c1, c4, c8)},
             "underruns": {"c1": c1["underruns"], "c4": c4["underruns"], "c8": c8["underruns"]},
             "underruns_150ms_buffer": {
                 f"c{lv['concurrency']}": lv["underruns_client_buffered"] for lv in (c1, c4, c8)
