@@ -119,3 +119,22 @@ def test_orchestrator_refuses_a_busy_grpc_or_http_port(voice_dir):
         assert result.returncode == 2 and str(http_port) in result.stderr.strip().splitlines()[-1]
     finally:
         assert first.stop() == 0
+
+
+@pytest.mark.parametrize("pace", ["0.5", "-1"])
+def test_orchestrator_refuses_a_pace_below_real_time(voice_dir, pace):
+    """`--pace` is 0 (off) or at least real time: a slower pace would starve its listeners."""
+    result = second(
+        "orchestrator",
+        "--voice",
+        str(voice_dir),
+        "--text-service",
+        "127.0.0.1:1",
+        "--vocoder-service",
+        "127.0.0.1:1",
+        "--http-port",
+        "-1",
+        "--pace",
+        pace,
+    )
+    assert_refused(result, f"orchestrator: --pace must be 0 (off) or >= 1 (got {float(pace)})")
