@@ -523,7 +523,7 @@ class Pipeline:
             allowed_tokens=text_pb2.TokenRange(start=allowed[0], end=allowed[1]),
         )
 
-    def _pace(self, voice: VoiceSpec, plan) -> text_pb2.Pace | None:
+    def _pace(self, voice: VoiceSpec, plan: SyncPlan) -> text_pb2.Pace | None:
         """`pace_realtime` times the rate at which the plan's output is used: its LM tokens
         (phonemes, the planned speech tokens, the end) over its speech's seconds."""
         speech = sum(lo + hi for lo, hi in zip(plan.min_tokens, plan.max_tokens)) / 2
