@@ -5,6 +5,7 @@ against a co-located one (both services in one process sharing the cores).
     python bench/e2e.py --quick          # under 3 minutes on 2 cores
     python bench/e2e.py --json           # one JSON object on stdout
     python bench/e2e.py --layouts --quick   # vocoder precision and core layout, side by side
+    python bench/e2e.py --layouts --layout default   # the default and its variants only
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ MACHINE_CORES = frozenset(os.sched_getaffinity(0))
 BF16 = ["--backend", "torch", "--bf16", "--threads", "1"]
 LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
     "bf16 torch, vocoder on both cores, 2 workers (default)": (BF16, None),
+    "as the default, at Python's 5 ms GIL switch interval": (
+        [*BF16, "--gil-switch-ms", "5"],
+        None,
+    ),
     "bf16 torch, pinned": (BF16, PINNED),
     "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], {}),
     "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], PINNED),
@@ -219,7 +224,9 @@ def real_time_streams(levels: list[dict], max_rtf: float = 0.9) -> int:
     return max(ok, default=0)
 
 
-def compare_layouts(voice_dir: Path, n1: int, n4: int, n8: int) -> dict:
+def compare_layouts(
+    voice_dir: Path, n1: int, n4: int, n8: int, only: list[str] | None = None
+) -> dict:
     from orchestrator.bench import run_level
 
     keys = (
@@ -234,6 +241,8 @@ def compare_layouts(voice_dir: Path, n1: int, n4: int, n8: int) -> dict:
     )
     result = {}
     for name, (vocoder_args, cpus) in LAYOUTS.items():
+        if only and not any(word in name for word in only):
+            continue
         print(f"layout: {name}", file=sys.stderr, flush=True)
         with Deployment(voice_dir, "split", vocoder_args=vocoder_args, cpus=cpus) as d:
             run_level(d.address, 1, 2)  # warm-up
@@ -264,6 +273,12 @@ def main() -> int:
         help="instead: each vocoder precision and core layout of the split deployment in turn "
         "(LAYOUTS), and the most streams each serves in real time",
     )
+    p.add_argument(
+        "--layout",
+        action="append",
+        metavar="WORDS",
+        help="with --layouts: only the layouts whose names contain WORDS (repeatable)",
+    )
     p.add_argument("--serve-colocated", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -290,7 +305,7 @@ def main() -> int:
     started = time.perf_counter()
     if args.layouts:
         out["pressure_cpu_start"] = _pressure()
-        out["layouts"] = compare_layouts(voice_dir, n1, n4, n8)
+        out["layouts"] = compare_layouts(voice_dir, n1, n4, n8, args.layout)
         out["pressure_cpu_end"] = _pressure()
         out["wall_s"] = time.perf_counter() - started
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))

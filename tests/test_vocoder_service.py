@@ -358,6 +358,8 @@ def test_flush_emits_everything_received_and_keeps_the_stream_open(service):
         (("--first-chunk-frames-alone", "-1"), "first_chunk_frames_alone must be in [1, "),
         (("--backend", "onnx", "--bf16"), "--bf16 runs on the torch backend"),
         (("--workers", "0"), "workers must be >= 1"),
+        (("--gil-switch-ms", "0"), "--gil-switch-ms must be in (0, 1000]"),
+        (("--gil-switch-ms", "nan"), "--gil-switch-ms must be in (0, 1000]"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(voice_dir, flags, match):
@@ -384,6 +386,22 @@ def test_bad_flags_exit_2_with_one_line(voice_dir, flags, match):
     )
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr
+
+
+def test_the_service_hands_the_gil_on_sooner_than_python_does() -> None:
+    """The vocoder's process switches threads at `--gil-switch-ms` (default 0.5 ms), not at
+    Python's 5 ms: a forward's operators wait that long for the GIL behind the event loop."""
+    import sys
+
+    from vocoder_service.__main__ import GIL_SWITCH_MS, build_parser, set_gil_switch
+
+    before = sys.getswitchinterval()
+    try:
+        set_gil_switch(build_parser().parse_args([]).gil_switch_ms)
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_MS / 1e3)
+        assert sys.getswitchinterval() < before
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_warmup_runs_each_stateful_shape_once_over_the_workers(voice_dir):

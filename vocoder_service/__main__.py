@@ -13,6 +13,13 @@ from servicekit.tls import add_server_flags, server_tls
 
 DEFAULT_VOICE_DIR = Path(__file__).resolve().parents[1] / "voices" / "default"
 
+# The GIL switch interval of the vocoder's process. Between two operators a forward's worker
+# thread waits for the GIL while the event loop runs Python (gRPC, token decoding, job sizing),
+# up to the interval each time: a 16-frame forward beside a thread running Python took 1.29 s
+# at Python's 5 ms and 0.17 s at 0.5 ms, 14-15 ms alone (`bench.vocoder_gil`). At 8 streams the
+# gain was within run-to-run noise (bench/README.md, "The vocoder's forwards and the GIL").
+GIL_SWITCH_MS = 0.5
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vocoder-service", description=__doc__)
@@ -124,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="forwards in flight at once, each on its own thread and streams: on a CPU, "
         "one per core the service may use (with --threads 1)",
     )
+    p.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=GIL_SWITCH_MS,
+        help="how long a thread running Python keeps the GIL while another waits for it "
+        "(Python's default: 5): each of a forward's hundreds of operators takes it back "
+        "from the event loop",
+    )
     p.add_argument("--max-streams", type=int, default=64)
     p.add_argument(
         "--max-audio-ahead",
@@ -190,11 +205,18 @@ def load(args: argparse.Namespace):
     return voices, backends
 
 
+def set_gil_switch(ms: float) -> None:
+    if not 0 < ms <= 1000:  # also refuses nan and inf
+        raise ValueError(f"--gil-switch-ms must be in (0, 1000] (got {ms})")
+    sys.setswitchinterval(ms / 1e3)
+
+
 async def run(args: argparse.Namespace) -> None:
     from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
     from vocoder_service.chunking import ChunkPolicy
     from vocoder_service.server import VocoderLimits, VocoderServicer
 
+    set_gil_switch(args.gil_switch_ms)
     voices, backends = load(args)
     servicer = VocoderServicer(
         voices,
