@@ -407,7 +407,8 @@ def test_streams_that_do_not_stack_go_to_different_workers():
         await batcher.close()
         return backend
 
+    # two workers: the two forwards run at once, so which thread records first is the OS's call
     backend = asyncio.run(main(2))
-    assert backend.forwards == [(1, 16), (2, 8)] and backend.max_at_once == 2
+    assert sorted(backend.forwards) == [(1, 16), (2, 8)] and backend.max_at_once == 2
     backend = asyncio.run(main(1))
     assert backend.forwards == [(1, 16), (2, 8)] and backend.max_at_once == 1
