@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -122,21 +123,38 @@ def start_service(
 
     drainer = threading.Thread(target=drain_stderr, daemon=True)
     drainer.start()
+    # The child's stdout is read on a thread of its own, so that the deadline holds while the
+    # child prints nothing (stuck importing, or waiting on a lock); once it serves, the rest of
+    # its output is read and dropped, so that it never blocks on a full pipe.
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    serving = threading.Event()
+
+    def read_stdout() -> None:
+        for line in stdout:
+            if not serving.is_set():
+                lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read_stdout, daemon=True).start()
     deadline = time.monotonic() + timeout_s
     hung = False
-    for line in stdout:
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            hung = True
+            break
+        if line is None:
+            break  # the child closed its output: it is exiting
         try:
             event = json.loads(line)
         except ValueError:
             continue
         if event.get("event") == "serving":
-            threading.Thread(target=lambda: [*stdout], daemon=True).start()
+            serving.set()
             return Process(
                 name, proc, event["port"], event.get("metrics_port"), tail, event.get("http_port")
             )
-        if time.monotonic() > deadline:
-            hung = True
-            break
     try:
         returncode = None if hung else proc.wait(10)
     except subprocess.TimeoutExpired:

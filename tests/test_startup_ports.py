@@ -138,3 +138,17 @@ def test_orchestrator_refuses_a_pace_below_real_time(voice_dir, pace):
         pace,
     )
     assert_refused(result, f"orchestrator: --pace must be 0 (off) or >= 1 (got {float(pace)})")
+
+
+def test_a_service_silent_past_its_start_up_timeout_is_stopped(tmp_path):
+    """A child that never says it is serving and prints nothing at all (stuck importing, or on a
+    lock) fails the launcher's start at its deadline and is stopped, instead of holding the
+    launcher for as long as it stays silent."""
+    from orchestrator.launcher import StartupError, start_service
+
+    (tmp_path / "silent_child.py").write_text("import time\ntime.sleep(300)\n")
+    with pytest.raises(StartupError, match="not serving after 1 s") as failed:
+        start_service(
+            "silent", "silent_child", [], env={"PYTHONPATH": str(tmp_path)}, timeout_s=1.0
+        )
+    assert failed.value.returncode is None  # it was still running, and was killed
