@@ -47,6 +47,18 @@ def second(
     )
 
 
+def orchestrator_args(voice_dir) -> tuple[str, ...]:
+    """An orchestrator's voice and backends: they need not be up for it to bind its ports."""
+    return (
+        "--voice",
+        str(voice_dir),
+        "--text-service",
+        "127.0.0.1:1",
+        "--vocoder-service",
+        "127.0.0.1:1",
+    )
+
+
 def assert_refused(result: subprocess.CompletedProcess, line: str) -> None:
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == line
@@ -99,15 +111,7 @@ def test_vocoder_service_refuses_a_busy_grpc_port(voice_dir):
 
 
 def test_orchestrator_refuses_a_busy_grpc_or_http_port(voice_dir):
-    # Backends need not be up for the orchestrator to bind its ports.
-    args = (
-        "--voice",
-        str(voice_dir),
-        "--text-service",
-        "127.0.0.1:1",
-        "--vocoder-service",
-        "127.0.0.1:1",
-    )
+    args = orchestrator_args(voice_dir)
     first = ServiceProcess("orchestrator", *args, "--http-port", "0")
     try:
         assert_refused(
@@ -125,17 +129,7 @@ def test_orchestrator_refuses_a_busy_grpc_or_http_port(voice_dir):
 def test_orchestrator_refuses_a_pace_below_real_time(voice_dir, pace):
     """`--pace` is 0 (off) or at least real time: a slower pace would starve its listeners."""
     result = second(
-        "orchestrator",
-        "--voice",
-        str(voice_dir),
-        "--text-service",
-        "127.0.0.1:1",
-        "--vocoder-service",
-        "127.0.0.1:1",
-        "--http-port",
-        "-1",
-        "--pace",
-        pace,
+        "orchestrator", *orchestrator_args(voice_dir), "--http-port", "-1", "--pace", pace
     )
     assert_refused(result, f"orchestrator: --pace must be 0 (off) or >= 1 (got {float(pace)})")
 
