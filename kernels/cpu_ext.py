@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import activation, attention, conv, delta_rule, norm, rotary as rope
+from kernels import activation, attention, conv, delta_rule, linear as dense, norm, rotary as rope
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ _SOURCES = [
         "elementwise_cpu.cpp",
         "gated_delta_rule_cpu.cpp",
         "causal_conv1d_cpu.cpp",
+        "amx_linear_cpu.cpp",
     )
 ]
 _HEADERS = [_CSRC / "cpu_math.h"]
@@ -96,6 +97,51 @@ def build() -> str | None:
         logger.warning("compiled CPU kernels unavailable, using the torch reference: %s", exc)
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+@functools.cache
+def amx_linear_available() -> bool:
+    """Whether the extension built its AMX projections and the OS lets this process use the
+    tiles (x86 CPUs with AMX-BF16, such as Xeon Sapphire Rapids and later)."""
+    return build() is None and bool(torch.ops.splittts_kernels.amx_linear_available())
+
+
+def _amx_packed(weight: Tensor) -> bool:
+    return weight.dim() == 5  # only `pack_linear_weight` makes these
+
+
+def pack_linear_weight(weight: Tensor) -> Tensor:
+    """At load: a bf16 weight big enough for a packed matmul (`dense.ONEDNN_MIN_MACS`), with
+    both dims multiples of 32, in the AMX kernel's tile order, a `[out/32, in/32, 2, 16, 32]`
+    tensor (see csrc/amx_linear_cpu.cpp); any other weight as `dense.pack_weight` leaves it.
+
+    oneDNN's bf16 matmul streamed the benchmark model's weights at 15-23 GB/s for 1-64 rows on
+    the project's CPU, where two threads can read 33; this kernel reads them at 22-33.
+    """
+    if (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[0] % 32 == 0
+        and weight.shape[1] % 32 == 0
+        and weight.numel() >= dense.ONEDNN_MIN_MACS
+        and amx_linear_available()
+    ):
+        return torch.ops.splittts_kernels.amx_pack_linear_weight(weight.detach())
+    return dense.pack_weight(weight)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`dense.linear` on a weight from `pack_linear_weight`: the AMX kernel for the weights it
+    packed, `dense.onednn_linear` for the rest."""
+    if not _amx_packed(weight):
+        return dense.onednn_linear(x, weight, bias)
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    y = torch.ops.splittts_kernels.amx_linear(rows, weight, bias)
+    return y.view(*shape[:-1], y.shape[-1])
 
 
 def paged_attention_decode(

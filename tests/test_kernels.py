@@ -31,7 +31,10 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
 
     cpu = kernels.get_ops("cpu")
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
-    assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)
+    if cpu_ext.amx_linear_available():  # bf16 on AMX, the rest on oneDNN (test_kernels_amx_linear)
+        assert (cpu.linear, cpu.pack_linear_weight) == (cpu_ext.linear, cpu_ext.pack_linear_weight)
+    else:
+        assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)
     # only the matmuls and the compiled kernels differ (tests/test_kernels_cpu_ext.py)
     reference_parts = dict(
         linear=linear.linear,

@@ -252,3 +252,61 @@ def test_copy_state_slots_copies_every_layer(models):
         assert torch.equal(mixer.conv_state[2], mixer.conv_state[1])
         assert torch.equal(mixer.ssm_state[2], mixer.ssm_state[1])
         assert mixer.ssm_state[0].abs().sum() == 0 and mixer.ssm_state[3].abs().sum() == 0
+
+
+WIDE_BF16 = {  # every projection >= 2^20 weights with dims multiples of 32: packed for AMX
+    "qwen3": dict(
+        vocab_size=1024,
+        hidden_size=1024,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_5": dict(
+        vocab_size=1024,
+        hidden_size=1024,
+        intermediate_size=1024,
+        layer_types=[LIN, FULL],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WIDE_BF16))
+def test_bf16_projections_on_amx_are_as_close_to_hf_fp32_as_unpacked_ones(kind, tmp_path):
+    """A bf16 model whose projections run on the AMX kernel (packed at load, as the engine does)
+    against the same model on F.linear: both are compared with HF's fp32 logits, and the AMX one
+    may not be further off (both round every activation to bf16; a misplaced tile would be
+    orders further)."""
+    from kernels import cpu_ext
+    from text_service.models.layers import Linear
+
+    if not cpu_ext.amx_linear_available():
+        pytest.skip("this CPU or build has no AMX-BF16")
+    path = make_tiny_model(tmp_path, kind, **WIDE_BF16[kind])
+    ref = hf_logits(load_hf_model(path), tokens(40, seed=7))
+    errors = {}
+    for packed in (False, True):
+        model = load_model(path, device="cpu", dtype=torch.bfloat16)
+        if packed:
+            linears = [m for m in model.modules() if isinstance(m, Linear)]
+            fits = [
+                w.numel() >= 1 << 20 and w.shape[0] % 32 == 0 for w in (m.weight for m in linears)
+            ]
+            model.pack_weights()
+            in_tiles = [m.weight.dim() == 5 for m in linears]
+            assert in_tiles == fits and sum(in_tiles) >= 4
+            assert not model.tie_word_embeddings or model._tied_head.dim() == 5
+        (logits,) = StepHarness(model).step([("a", tokens(40, seed=7))])
+        errors[packed] = (logits.float() - ref).abs().max().item()
+    assert errors[True] <= 1.25 * errors[False] + 1e-3, errors

@@ -1,0 +1,114 @@
+"""bf16 projections of a benchmark model: oneDNN's packed matmul against the AMX kernel.
+
+Every projection of the model (and its tied LM head) in the order a decode step meets them, at
+each row count, with the weights packed once for oneDNN (`kernels.linear.pack_weight`, what the
+engine used before) and once in the AMX kernel's tile order (`kernels.cpu_ext`); the two are run
+in turn, `--repeats` times each, and the best pass of each is reported with the rate it read the
+weights at and the ratio. At decode row counts a projection's time is the time to stream its
+weights, so GB/s is the figure to hold against the machine's memory bandwidth.
+
+    python -m bench.amx_linear [--kind qwen3] [--rows 1,8,16,32,64,256] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench.workload import MODEL_KINDS, machine_load, model_dir
+
+
+def model_weights(kind: str) -> list[torch.Tensor]:
+    """The bf16 model's projection weights as loaded, then its LM head (the embeddings if tied)."""
+    from text_service.loader import load_model
+    from text_service.models.layers import Linear
+
+    model = load_model(model_dir(kind, "bfloat16"), device="cpu", dtype=torch.bfloat16)
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, Linear)]
+    if model.tie_word_embeddings:
+        weights.append(model.model.embed_tokens.weight.detach())
+    return weights
+
+
+def time_pass(run, packed: list[torch.Tensor], inputs: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for x, w in zip(inputs, packed):
+        run(x, w)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kind", choices=sorted(MODEL_KINDS), default="qwen3")
+    p.add_argument("--rows", default="1,8,16,32,64,256", help="comma-separated row counts")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=6, help="passes of each, in turn")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from kernels import cpu_ext, linear
+
+    if not cpu_ext.amx_linear_available():
+        raise SystemExit("bench.amx_linear: this CPU or build has no AMX-BF16")
+    if not linear.onednn_available():
+        raise SystemExit("bench.amx_linear: this torch has no oneDNN matmul")
+    torch.set_num_threads(args.threads)
+    loaded = model_weights(args.kind)
+    # the projections both pack (a weight under ONEDNN_MIN_MACS stays on F.linear either way)
+    both = [(w, linear.pack_weight(w), cpu_ext.pack_linear_weight(w)) for w in loaded]
+    both = [(w, o, a) for w, o, a in both if o.is_mkldnn and a.dim() == 5]
+    weights, onednn, amx = (list(t) for t in zip(*both))
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    cases = {
+        "onednn": (linear.onednn_linear, onednn),
+        "amx": (cpu_ext.linear, amx),
+    }
+    report: dict = {
+        "kind": args.kind,
+        "threads": args.threads,
+        "projections": len(weights),
+        "projections_left_out": len(loaded) - len(weights),
+        "weight_mb": round(nbytes / 1e6, 1),
+        "machine_load_start": machine_load(),
+        "rows": {},
+    }
+    torch.manual_seed(0)
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = [torch.randn(rows, w.shape[1]).bfloat16() for w in weights]
+        best = {}
+        for run, packed in cases.values():  # first calls: primitives, pages, caches
+            time_pass(run, packed, inputs)
+        passes: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.repeats):  # in turn, so that drift hits both alike
+            for name, (run, packed) in cases.items():
+                passes[name].append(time_pass(run, packed, inputs))
+        for name, times in passes.items():
+            t = min(times)
+            best[name] = {"ms": round(t * 1e3, 2), "gb_per_s": round(nbytes / t / 1e9, 1)}
+        best["ratio_amx_vs_onednn"] = round(best["amx"]["ms"] / best["onednn"]["ms"], 3)
+        report["rows"][rows] = best
+    report["machine_load_end"] = machine_load()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"{report['projections']} bf16 projections of {args.kind} ({report['weight_mb']} MB; "
+            f"{report['projections_left_out']} left on F.linear), {args.threads} threads, "
+            f"best of {args.repeats}"
+        )
+        print(f"{'rows':>6}{'oneDNN ms':>12}{'GB/s':>8}{'AMX ms':>10}{'GB/s':>8}{'ratio':>8}")
+        for rows, r in report["rows"].items():
+            print(
+                f"{rows:>6}{r['onednn']['ms']:>12.1f}{r['onednn']['gb_per_s']:>8.1f}"
+                f"{r['amx']['ms']:>10.1f}{r['amx']['gb_per_s']:>8.1f}"
+                f"{r['ratio_amx_vs_onednn']:>8.2f}"
+            )
+        print(f"machine load {report['machine_load_start']} -> {report['machine_load_end']}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
