@@ -78,6 +78,42 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
 
 
+# Every projection holds >= 2^20 weights (and its dims are multiples of 32), so the CPU path
+# packs it: for oneDNN in fp32, in AMX's tile order in bf16 where the CPU has it.
+WIDE = {
+    "dense": (
+        "qwen3",
+        dict(
+            vocab_size=1024,
+            hidden_size=1024,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "hybrid": (
+        "qwen3_5",
+        dict(
+            vocab_size=1024,
+            hidden_size=1024,
+            intermediate_size=1024,
+            layer_types=["linear_attention", "full_attention"],
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            linear_num_key_heads=4,
+            linear_num_value_heads=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
 def make_tiny_model(
     tmp_path: str | Path,
     kind: str = "qwen3_5",

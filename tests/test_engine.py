@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import load_hf_model, make_tiny_model
+from hf_models import WIDE, load_hf_model, make_tiny_model
 
 from text_service.engine import EngineArgs, LLMEngine, StepOutput
 from text_service.errors import CapacityError, InvalidRequestError
@@ -333,40 +333,6 @@ def _word_tokenizer(tmp_path: Path) -> Path:
     out = tmp_path / "tokenizer.json"
     tokenizer.save(str(out))
     return out
-
-
-WIDE = {  # every projection holds >= 2^20 weights, so the CPU path packs it
-    "dense": (
-        "qwen3",
-        dict(
-            vocab_size=1024,
-            hidden_size=1024,
-            intermediate_size=1024,
-            num_hidden_layers=2,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=64,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "hybrid": (
-        "qwen3_5",
-        dict(
-            vocab_size=1024,
-            hidden_size=1024,
-            intermediate_size=1024,
-            layer_types=[LIN, "full_attention"],
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            head_dim=128,
-            linear_num_key_heads=4,
-            linear_num_value_heads=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            tie_word_embeddings=True,
-        ),
-    ),
-}
 
 
 @pytest.mark.parametrize("name", sorted(WIDE))

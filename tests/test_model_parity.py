@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from hf_models import hf_logits, load_hf_model, make_tiny_model
+from hf_models import WIDE, hf_logits, load_hf_model, make_tiny_model
 
 from text_service.context import Context, reset_context, set_context
 from text_service.loader import load_model
@@ -254,36 +254,8 @@ def test_copy_state_slots_copies_every_layer(models):
         assert mixer.ssm_state[0].abs().sum() == 0 and mixer.ssm_state[3].abs().sum() == 0
 
 
-WIDE_BF16 = {  # every projection >= 2^20 weights with dims multiples of 32: packed for AMX
-    "qwen3": dict(
-        vocab_size=1024,
-        hidden_size=1024,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_5": dict(
-        vocab_size=1024,
-        hidden_size=1024,
-        intermediate_size=1024,
-        layer_types=[LIN, FULL],
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=4,
-        linear_num_value_heads=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        tie_word_embeddings=False,
-    ),
-}
-
-
-@pytest.mark.parametrize("kind", sorted(WIDE_BF16))
-def test_bf16_projections_on_amx_are_as_close_to_hf_fp32_as_unpacked_ones(kind, tmp_path):
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_bf16_projections_on_amx_are_as_close_to_hf_fp32_as_unpacked_ones(name, tmp_path):
     """A bf16 model whose projections run on the AMX kernel (packed at load, as the engine does)
     against the same model on F.linear: both are compared with HF's fp32 logits, and the AMX one
     may not be further off (both round every activation to bf16; a misplaced tile would be
@@ -293,7 +265,8 @@ def test_bf16_projections_on_amx_are_as_close_to_hf_fp32_as_unpacked_ones(kind, 
 
     if not cpu_ext.amx_linear_available():
         pytest.skip("this CPU or build has no AMX-BF16")
-    path = make_tiny_model(tmp_path, kind, **WIDE_BF16[kind])
+    kind, overrides = WIDE[name]
+    path = make_tiny_model(tmp_path, kind, **overrides)
     ref = hf_logits(load_hf_model(path), tokens(40, seed=7))
     errors = {}
     for packed in (False, True):
