@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,24 +65,63 @@ def state_bytes_per_slot(model: CausalLM) -> int:
     return sum(spec.bytes_per_slot() for spec in model.state_specs().values())
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, or None off Linux or where it cannot be found."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.zeros`, but on the CPU the pool's 2 MiB-aligned interior asks Linux for transparent
+    huge pages before the first write touches it.
+
+    A decode step reads every sequence's cache blocks from all over a pool of hundreds of MB: on
+    4 KiB pages each 16 KiB block crosses four pages, each a TLB miss. On the project's Xeon (THP
+    "madvise", 64 sequences, blocks at random in a 24,576-block bf16 pool) the compiled decode
+    attention took 1.59-1.66 ms a layer on huge pages against 2.00-2.04 on 4 KiB pages. Where the
+    kernel declines (THP "never", no memory to compact) the pool is on 4 KiB pages as before.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pool = torch.empty(shape, dtype=dtype)
+    madvise = _madvise()
+    start = (pool.data_ptr() + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    end = (pool.data_ptr() + pool.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if madvise is not None and end > start:
+        madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    return pool.zero_()
+
+
 def allocate_caches(
     model: CausalLM, *, num_blocks: int, block_size: int, num_slots: int, device: torch.device | str
 ) -> None:
-    """Allocate zeroed pools for every layer and attach them (k_cache/v_cache, conv_state/ssm_state)."""
+    """Allocate zeroed pools for every layer and attach them (k_cache/v_cache, conv_state/ssm_state),
+    on the CPU in transparent huge pages where Linux grants them."""
     kv_specs, state_specs = model.kv_cache_specs(), model.state_specs()
     for idx, attn in model.attention_layers().items():
         spec = kv_specs[idx]
         shape = spec.shape(num_blocks, block_size)
-        attn.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
-        attn.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        attn.k_cache = zeros_in_huge_pages(shape, spec.dtype, device)
+        attn.v_cache = zeros_in_huge_pages(shape, spec.dtype, device)
     for idx, mixer in model.linear_attention_layers().items():
         state = state_specs[idx]
-        mixer.conv_state = torch.zeros(
-            state.conv_shape(num_slots), dtype=state.conv_dtype, device=device
+        mixer.conv_state = zeros_in_huge_pages(
+            state.conv_shape(num_slots), state.conv_dtype, device
         )
-        mixer.ssm_state = torch.zeros(
-            state.ssm_shape(num_slots), dtype=state.ssm_dtype, device=device
-        )
+        mixer.ssm_state = zeros_in_huge_pages(state.ssm_shape(num_slots), state.ssm_dtype, device)
 
 
 def copy_state_slots(model: CausalLM, src: list[int], dst: list[int]) -> None:
