@@ -92,7 +92,8 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device) -> t
     4 KiB pages each 16 KiB block crosses four pages, each a TLB miss. On the project's Xeon (THP
     "madvise", 64 sequences, blocks at random in a 24,576-block bf16 pool) the compiled decode
     attention took 1.59-1.66 ms a layer on huge pages against 2.00-2.04 on 4 KiB pages. Where the
-    kernel declines (THP "never", no memory to compact) the pool is on 4 KiB pages as before.
+    kernel declines (THP "never", no memory to compact), or a small pool reuses heap memory
+    already touched (glibc maps fresh memory for 32 MiB and up), it is on 4 KiB pages as before.
     """
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
