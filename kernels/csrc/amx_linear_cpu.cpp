@@ -189,6 +189,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
       const int64_t ahead_step = (kPairElems * 2 / groups + 63) / 64 * 64;
       for (int64_t p = begin; p < end; ++p) {
         const uint16_t* w = W + p * slices * kPairElems;
+        // (past the last pair this prefetches beyond the weight: a prefetch never faults)
         const char* ahead = reinterpret_cast<const char*>(w + slices * kPairElems);
         for (int64_t r0 = c0; r0 < c1; r0 += 2 * kBlock) {
           const uint16_t* xr = X + r0 * k;
@@ -197,7 +198,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
           } else {
             pair_rows<1>(xr, k * 2, w, slices, ahead, ahead_step, acc);
           }
-          const int64_t live = std::min<int64_t>(2 * kBlock, rows - r0);
+          const int64_t live = std::min({2 * kBlock, c1 - r0, rows - r0});  // not the padding
           for (int64_t i = 0; i < live; ++i) {
             for (int j = 0; j < 2; ++j) {
               const int64_t col = (p * 2 + j) * kBlock;
