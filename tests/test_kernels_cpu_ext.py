@@ -72,10 +72,12 @@ def test_decode_matches_reference_fp32(lengths, heads, head_dim, block_size) -> 
 @pytest.mark.parametrize("lengths", ["one_token", "unaligned", "long", "mixed_37"])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
-def test_decode_matches_reference_bf16(lengths, heads, head_dim) -> None:
-    """bf16 caches: head sizes 64 and 128 take the bf16 dot products where the CPU has them
-    (keys and values never widened in memory), 80 the widening path; every GQA ratio."""
-    batch = decode_batch(LENGTHS[lengths], *heads, head_dim, 16, torch.bfloat16)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_reference_bf16(lengths, heads, head_dim, block_size) -> None:
+    """bf16 caches: head sizes 64 and 128 take the vector path where the CPU has AVX-512 (rows
+    widened as even and odd values, outputs put back in order), 80 the scalar one; every GQA
+    ratio; blocks of one and of two 16-token vectors."""
+    batch = decode_batch(LENGTHS[lengths], *heads, head_dim, block_size, torch.bfloat16)
     compiled, reference = both(batch)
     # both round the same fp32-accumulated result to bf16 (reference: SDPA's own kernel)
     torch.testing.assert_close(compiled.float(), reference.float(), rtol=2e-2, atol=2e-2)

@@ -6,10 +6,11 @@
 // (cached tokens including the new one); block_tables [B, max_blocks] int32. Query head h
 // reads KV head h / (H / Hkv). A work item is one sequence and a run of its KV heads with all
 // their query heads, so every key and value row is read from memory once, in address order
-// within a block. Accumulation is fp32; bf16 inputs are widened as they are read, except where
-// the CPU has AVX-512 BF16 and the head size is 64 or 128: there q.k is the CPU's bf16 dot
-// product (pairs multiplied exactly, summed in fp32) on the rows as stored, and values are
-// widened in registers.
+// within a block. Accumulation is fp32; bf16 inputs are widened (exactly) as they are read.
+// Where the CPU has AVX-512 and the head size is 64 or 128 the work is vectorised across
+// tokens as well: the scores of 16 tokens are summed across together, each KV head's values
+// are accumulated in registers for its whole query group, and the softmax runs 16 tokens a
+// vector.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,9 +21,9 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define SPLITTTS_BF16_DOT 1
+#define SPLITTTS_AVX512 1
 #endif
 
 #include <algorithm>
@@ -112,6 +113,91 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
+#if defined(SPLITTTS_AVX512)
+// 32 values of a row as two fp32 vectors: fp32 rows as they lie (values 0-15, then 16-31),
+// bf16 rows as their even and their odd values (a shift and a mask, exact). The vector path
+// keeps queries and outputs in this order too; finish() restores it.
+inline void load32(const float* p, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(p);
+  b = _mm512_loadu_ps(p + 16);
+}
+
+inline void load32(const c10::BFloat16* p, __m512& a, __m512& b) {
+  const __m512i x = _mm512_loadu_si512(p);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// Where value i of 32 lies in load32's order.
+template <typename scalar_t>
+constexpr int64_t load32_position(int64_t i) {
+  return std::is_same_v<scalar_t, float> ? i : (i % 2) * 16 + i / 2;
+}
+
+// Lane t of the result: the sum of the 16 lanes of s[t] (a transpose and a sum in one).
+inline __m512 sum_lanes(const __m512 s[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // per 128 bits: [x0+x2, y0+y2, x1+x3, y1+y3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128 bits: four tokens' sums of those 4 lanes
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes 0+1 and 2+3 of two vectors
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp_nonpositive of 16 lanes, the same steps as the scalar one.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 round = _mm512_set1_ps(12582912.f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+}
+
+inline __mmask16 first_lanes(int64_t m) { return __mmask16((1u << m) - 1); }
+
+// Brings the rows of the next block into L2 a few lines at a time, spread over the work on
+// the current one. Loads that miss L1 (and prefetches into L1) share about 16 line fill
+// buffers a core, which limits one core to about 8 GB/s; prefetches into L2 overlap with the
+// arithmetic where a burst of them, or prefetches into L1, would stall it.
+struct Prefetcher {
+  const char* row = nullptr;
+  int64_t stride = 0, row_bytes = 0, rows_left = 0, offset = 0;
+
+  void start(const void* first_row, int64_t stride_bytes, int64_t bytes, int64_t rows) {
+    row = static_cast<const char*>(first_row);
+    stride = stride_bytes;
+    row_bytes = bytes;
+    rows_left = rows;
+    offset = 0;
+  }
+
+  int64_t lines_left() const { return rows_left > 0 ? (rows_left * row_bytes - offset + 63) / 64 : 0; }
+
+  void step(int64_t lines) {
+    for (; lines > 0 && rows_left > 0; --lines) {
+      _mm_prefetch(row + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset >= row_bytes) {
+        offset = 0;
+        row += stride;
+        --rows_left;
+      }
+    }
+  }
+};
+#endif
+
 // One work item: query heads [0, heads), head h reading KV head h / group of the item's
 // kv_heads, whose rows lie side by side in each cache token. kDim is the head size where it is
 // fixed at compile time (the row loops then unroll), 0 where it is read from `dim`.
@@ -123,10 +209,10 @@ struct Item {
   float* probs;    // [heads, block_size] scores, then probabilities
   float* run_max;  // [heads]
   float* run_sum;  // [heads]
-  float* rows;     // [kv_heads, D] one token's keys or values widened to fp32 (bf16 only)
+  float* rows;     // [max(kv_heads, 16), D] keys widened to fp32 (bf16 only)
 
   static int64_t scratch_size(int64_t dim, int64_t heads, int64_t kv_heads, int64_t block_size) {
-    return heads * (2 * dim + block_size + 2) + kv_heads * dim;
+    return heads * (2 * dim + block_size + 2) + std::max<int64_t>(kv_heads, 16) * dim;
   }
 
   void attach(float* scratch) {
@@ -140,21 +226,20 @@ struct Item {
 
   int64_t d() const { return kDim > 0 ? kDim : dim; }
 
-  const scalar_t* q_rows;  // [heads, D] the queries as given
-  float q_scale;
-
-  // bf16 rows with a head size the bf16 dot products take whole (SPLITTTS_BF16_DOT)
-  static constexpr bool kBf16Dot =
-#if defined(SPLITTTS_BF16_DOT)
-      std::is_same_v<scalar_t, c10::BFloat16> && kDim > 0 && kDim % 32 == 0;
+  // Head sizes the vector path takes whole (SPLITTTS_AVX512).
+  static constexpr bool kVector =
+#if defined(SPLITTTS_AVX512)
+      kDim > 0 && kDim % 32 == 0 && kDim <= 128;
 #else
       false;
 #endif
 
   void start(const scalar_t* q, float scale) {
-    q_rows = q;
-    q_scale = scale;
-    if constexpr (!kBf16Dot) store(qf, widen(q, qf, heads * d()), scale, heads * d());
+    if constexpr (kVector) {
+      start_vector(q, scale);
+    } else {
+      store(qf, widen(q, qf, heads * d()), scale, heads * d());
+    }
     std::fill(acc, acc + heads * d(), 0.f);
     std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
     std::fill(run_sum, run_sum + heads, 0.f);
@@ -163,89 +248,174 @@ struct Item {
   // The first n tokens of one cache block; next_k/next_v: the next block, prefetched meanwhile.
   void block(const scalar_t* k, const scalar_t* v, int64_t n, bool first, const scalar_t* next_k,
              const scalar_t* next_v) {
+    if constexpr (kVector) {
+      block_vector(k, v, n, first, next_k, next_v);
+      return;
+    }
     const int64_t D = d();
     const int64_t row_bytes = kv_heads * D * int64_t(sizeof(scalar_t));
-    if constexpr (kBf16Dot) {
-      scores_bf16(k, n, next_k, row_bytes);
-    } else {
-      for (int64_t t = 0; t < n; ++t) {
-        prefetch(next_k + t * token_stride, row_bytes);
-        const float* keys = widen(k + t * token_stride, rows, kv_heads * D);
-        for (int64_t j = 0, h = 0; j < kv_heads; ++j)
-          for (int64_t g = 0; g < group; ++g, ++h) probs[h * block_size + t] = dot(qf + h * D, keys + j * D, D);
-      }
-    }
-    softmax_step(n, first);
-    if constexpr (kBf16Dot) {
-      accumulate_bf16(v, n, next_v, row_bytes);
-    } else {
-      for (int64_t t = 0; t < n; ++t) {
-        prefetch(next_v + t * token_stride, row_bytes);
-        const float* values = widen(v + t * token_stride, rows, kv_heads * D);
-        for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
-          const float* row = values + j * D;
-          for (int64_t g = 0; g < group; ++g, ++h) {
-            const float weight = probs[h * block_size + t];
-            float* a = acc + h * D;
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) a[i] += weight * row[i];
-          }
-        }
-      }
-    }
-  }
-
-#if defined(SPLITTTS_BF16_DOT)
-  // scores[h, t] = scale * q[h] . k[t, h / group], 32 pairs of bf16 per instruction; token by
-  // token, each key row read once in address order
-  void scores_bf16(const c10::BFloat16* k, int64_t n, const c10::BFloat16* next_k, int64_t row_bytes) {
-    constexpr int64_t V = kDim / 32;
     for (int64_t t = 0; t < n; ++t) {
       prefetch(next_k + t * token_stride, row_bytes);
-      const c10::BFloat16* keys = k + t * token_stride;
+      const float* keys = widen(k + t * token_stride, rows, kv_heads * D);
+      for (int64_t j = 0, h = 0; j < kv_heads; ++j)
+        for (int64_t g = 0; g < group; ++g, ++h) probs[h * block_size + t] = dot(qf + h * D, keys + j * D, D);
+    }
+    softmax_step(n, first);
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch(next_v + t * token_stride, row_bytes);
+      const float* values = widen(v + t * token_stride, rows, kv_heads * D);
       for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
-        __m512bh kv[V];
-        for (int64_t i = 0; i < V; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(keys + j * kDim + 32 * i);
+        const float* row = values + j * D;
         for (int64_t g = 0; g < group; ++g, ++h) {
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t i = 0; i < V; ++i)
-            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q_rows + h * kDim + 32 * i), kv[i]);
-          probs[h * block_size + t] = _mm512_reduce_add_ps(sum) * q_scale;
+          const float weight = probs[h * block_size + t];
+          float* a = acc + h * D;
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) a[i] += weight * row[i];
         }
       }
     }
   }
 
-  // acc[h] += sum over t of probs[h, t] * v[t, h / group]: token by token, each value row
-  // widened once, in registers, for its KV head's whole query group
-  void accumulate_bf16(const c10::BFloat16* v, int64_t n, const c10::BFloat16* next_v, int64_t row_bytes) {
-    constexpr int64_t W = kDim / 16;  // fp32 vectors per row
-    for (int64_t t = 0; t < n; ++t) {
-      prefetch(next_v + t * token_stride, row_bytes);
-      const c10::BFloat16* values = v + t * token_stride;
-      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
-        __m512 x[W];
-        for (int64_t i = 0; i < W; ++i)
-          x[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(values + j * kDim + 16 * i))), 16));
-        for (int64_t g = 0; g < group; ++g, ++h) {
-          const __m512 w = _mm512_set1_ps(probs[h * block_size + t]);
-          float* a = acc + h * kDim;
-          for (int64_t i = 0; i < W; ++i)
-            _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(w, x[i], _mm512_loadu_ps(a + 16 * i)));
-        }
+#if defined(SPLITTTS_AVX512)
+  static constexpr int64_t kVectors = kDim / 16;  // fp32 vectors per row
+
+  // the queries scaled, in load32's order
+  Prefetcher ahead;
+
+  void start_vector(const scalar_t* q, float scale) {
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < heads * kDim; i += 32) {
+      __m512 a, b;
+      load32(q + i, a, b);
+      _mm512_storeu_ps(qf + i, _mm512_mul_ps(a, factor));
+      _mm512_storeu_ps(qf + i + 16, _mm512_mul_ps(b, factor));
+    }
+  }
+
+  void block_vector(const scalar_t* k, const scalar_t* v, int64_t n, bool first, const scalar_t* next_k,
+                    const scalar_t* next_v) {
+    const int64_t row_bytes = kv_heads * kDim * int64_t(sizeof(scalar_t));
+    const int64_t stride_bytes = token_stride * int64_t(sizeof(scalar_t));
+    // the next block's keys while the scores are computed, its values while these are summed
+    ahead.start(next_k, stride_bytes, row_bytes, block_size);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) scores_vector(k + t0 * token_stride, t0, std::min<int64_t>(16, n - t0));
+    ahead.step(ahead.lines_left());
+    softmax_vector(n, first);
+    ahead.start(next_v, stride_bytes, row_bytes, block_size);
+    // the group's heads in passes that keep their sums in registers (16 of the 32)
+    const int64_t P = group % 4 == 0 && kVectors <= 4 ? 4 : group % 2 == 0 ? 2 : 1;
+    const int64_t steps = kv_heads * (group / P) * n;
+    const int64_t lines = (ahead.lines_left() + steps - 1) / steps;
+    for (int64_t j = 0; j < kv_heads; ++j)
+      for (int64_t h = j * group; h < (j + 1) * group; h += P) {
+        if (P == 4) accumulate_vector<4>(v + j * kDim, h, n, lines);
+        if (P == 2) accumulate_vector<2>(v + j * kDim, h, n, lines);
+        if (P == 1) accumulate_vector<1>(v + j * kDim, h, n, lines);
       }
+    ahead.step(ahead.lines_left());
+  }
+
+  // probs[h, t0 + t] = q[h] . k[t, h / group] for the m <= 16 tokens from k: each token's
+  // products summed into a vector of its own, the 16 vectors summed across at once.
+  void scores_vector(const scalar_t* k, int64_t t0, int64_t m) {
+    const int64_t lines = (ahead.lines_left() + heads - 1) / heads;
+    for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+      // fp32 keys are read where they lie; bf16 keys are widened once for the whole group
+      const float* keys;
+      int64_t stride;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        keys = k + j * kDim;
+        stride = token_stride;
+      } else {
+        for (int64_t t = 0; t < m; ++t)
+          for (int64_t i = 0; i < kDim; i += 32) {
+            __m512 a, b;
+            load32(k + t * token_stride + j * kDim + i, a, b);
+            _mm512_storeu_ps(rows + t * kDim + i, a);
+            _mm512_storeu_ps(rows + t * kDim + i + 16, b);
+          }
+        keys = rows;
+        stride = kDim;
+      }
+      for (int64_t g = 0; g < group; ++g, ++h) {
+        ahead.step(lines);
+        __m512 query[kVectors];
+        for (int64_t i = 0; i < kVectors; ++i) query[i] = _mm512_loadu_ps(qf + h * kDim + 16 * i);
+        __m512 s[16];
+#pragma GCC unroll 16
+        for (int64_t t = 0; t < 16; ++t) {
+          // past the m tokens: the first row again, its lane not stored
+          const float* row = keys + (t < m ? t : 0) * stride;
+          s[t] = _mm512_mul_ps(query[0], _mm512_loadu_ps(row));
+#pragma GCC unroll 8
+          for (int64_t i = 1; i < kVectors; ++i) s[t] = _mm512_fmadd_ps(query[i], _mm512_loadu_ps(row + 16 * i), s[t]);
+        }
+        _mm512_mask_storeu_ps(probs + h * block_size + t0, first_lanes(m), sum_lanes(s));
+      }
+    }
+  }
+
+  // acc[h, h + P) += sum over t < n of probs[h', t] * v[t]: each value row widened once for
+  // the P heads, their sums in registers for the whole block.
+  template <int64_t P>
+  void accumulate_vector(const scalar_t* v, int64_t h, int64_t n, int64_t lines) {
+    __m512 sums[P][kVectors];
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t i = 0; i < kVectors; ++i) sums[p][i] = _mm512_loadu_ps(acc + (h + p) * kDim + 16 * i);
+    for (int64_t t = 0; t < n; ++t) {
+      ahead.step(lines);
+      __m512 x[kVectors];
+      for (int64_t i = 0; i < kVectors; i += 2) load32(v + t * token_stride + 16 * i, x[i], x[i + 1]);
+      for (int64_t p = 0; p < P; ++p) {
+        const __m512 w = _mm512_set1_ps(probs[(h + p) * block_size + t]);
+        for (int64_t i = 0; i < kVectors; ++i) sums[p][i] = _mm512_fmadd_ps(w, x[i], sums[p][i]);
+      }
+    }
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t i = 0; i < kVectors; ++i) _mm512_storeu_ps(acc + (h + p) * kDim + 16 * i, sums[p][i]);
+  }
+
+  // softmax_step, 16 tokens a vector
+  void softmax_vector(int64_t n, bool first) {
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t h = 0; h < heads; ++h) {
+      float* p = probs + h * block_size;
+      __m512 top = _mm512_set1_ps(run_max[h]);
+      for (int64_t t0 = 0; t0 < n; t0 += 16)
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(minus_inf, first_lanes(std::min<int64_t>(16, n - t0)), p + t0));
+      const float block_max = _mm512_reduce_max_ps(top);
+      const __m512 shift = _mm512_set1_ps(block_max);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const __mmask16 lanes = first_lanes(std::min<int64_t>(16, n - t0));
+        const __m512 e = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, p + t0), shift)));
+        _mm512_mask_storeu_ps(p + t0, lanes, e);
+        total = _mm512_add_ps(total, e);
+      }
+      rescale(h, block_max, first);
+      run_sum[h] += _mm512_reduce_add_ps(total);
     }
   }
 #else
-  void scores_bf16(const scalar_t*, int64_t, const scalar_t*, int64_t) {}
-  void accumulate_bf16(const scalar_t*, int64_t, const scalar_t*, int64_t) {}
+  void start_vector(const scalar_t*, float) {}
+  void block_vector(const scalar_t*, const scalar_t*, int64_t, bool, const scalar_t*, const scalar_t*) {}
 #endif
+
+  // A new running max: what was accumulated under the old one is scaled down to it.
+  void rescale(int64_t h, float block_max, bool first) {
+    if (block_max == run_max[h]) return;
+    // the first block finds run_max = -inf and nothing accumulated yet
+    const float correction = first ? 0.f : exp_nonpositive(run_max[h] - block_max);
+    float* a = acc + h * d();
+#pragma omp simd
+    for (int64_t i = 0; i < d(); ++i) a[i] *= correction;
+    run_sum[h] *= correction;
+    run_max[h] = block_max;
+  }
 
   // The block's scores become probabilities against the running max; what was accumulated
   // under an older max is scaled down to the new one.
   void softmax_step(int64_t n, bool first) {
-    const int64_t D = d();
     for (int64_t h = 0; h < heads; ++h) {
       float* p = probs + h * block_size;
       float block_max = run_max[h];
@@ -253,21 +423,22 @@ struct Item {
       for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, p[t]);
 #pragma omp simd
       for (int64_t t = 0; t < n; ++t) p[t] = exp_nonpositive(p[t] - block_max);
-      if (block_max != run_max[h]) {
-        // the first block finds run_max = -inf and nothing accumulated yet
-        const float correction = first ? 0.f : exp_nonpositive(run_max[h] - block_max);
-        float* a = acc + h * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] *= correction;
-        run_sum[h] *= correction;
-        run_max[h] = block_max;
-      }
+      rescale(h, block_max, first);
       run_sum[h] += sum(p, n);
     }
   }
 
   void finish(scalar_t* out) const {
-    for (int64_t h = 0; h < heads; ++h) store(out + h * d(), acc + h * d(), 1.f / run_sum[h], d());
+    if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
+      // back from load32's order
+      for (int64_t h = 0; h < heads; ++h) {
+        const float factor = 1.f / run_sum[h];
+        for (int64_t i = 0; i < kDim; ++i)
+          out[h * kDim + i] = scalar_t(acc[h * kDim + i - i % 32 + load32_position<scalar_t>(i % 32)] * factor);
+      }
+    } else {
+      for (int64_t h = 0; h < heads; ++h) store(out + h * d(), acc + h * d(), 1.f / run_sum[h], d());
+    }
   }
 };
 
