@@ -29,6 +29,7 @@ _SOURCES = [
         "gated_delta_rule_cpu.cpp",
         "causal_conv1d_cpu.cpp",
         "amx_linear_cpu.cpp",
+        "dense_fp32_cpu.cpp",
     )
 ]
 _HEADERS = [_CSRC / "cpu_math.h"]
@@ -106,41 +107,65 @@ def amx_linear_available() -> bool:
     return build() is None and bool(torch.ops.splittts_kernels.amx_linear_available())
 
 
+@functools.cache
+def fp32_linear_available() -> bool:
+    """Whether the extension built its fp32 projections (x86 CPUs with AVX-512)."""
+    return build() is None and bool(torch.ops.splittts_kernels.fp32_linear_available())
+
+
 def _amx_packed(weight: Tensor) -> bool:
     return weight.dim() == 5  # only `pack_linear_weight` makes these
 
 
-def pack_linear_weight(weight: Tensor) -> Tensor:
-    """At load: a bf16 weight big enough for a packed matmul (`dense.ONEDNN_MIN_MACS`), with
-    both dims multiples of 32, in the AMX kernel's tile order, a `[out/32, in/32, 2, 16, 32]`
-    tensor (see csrc/amx_linear_cpu.cpp); any other weight as `dense.pack_weight` leaves it.
+def _fp32_packed(weight: Tensor) -> bool:
+    return weight.dim() == 3  # only `pack_linear_weight` makes these
 
-    oneDNN's bf16 matmul streamed the benchmark model's weights at 15-23 GB/s for 1-64 rows on
-    the project's CPU, where two threads can read 33; this kernel reads them at 22-33.
-    """
-    if (
-        weight.dtype == torch.bfloat16
+
+def _packable(weight: Tensor, dtype: torch.dtype) -> bool:
+    return (
+        weight.dtype == dtype
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.shape[0] % 32 == 0
         and weight.shape[1] % 32 == 0
         and weight.numel() >= dense.ONEDNN_MIN_MACS
-        and amx_linear_available()
-    ):
+    )
+
+
+def pack_linear_weight(weight: Tensor) -> Tensor:
+    """At load: a weight big enough for a packed matmul (`dense.ONEDNN_MIN_MACS`), with both dims
+    multiples of 32, in the layout of the compiled kernel for its dtype; any other weight (and
+    any weight where that kernel is not built) as `dense.pack_weight` leaves it.
+
+    - bf16, where the CPU has AMX: the AMX kernel's tile order, `[out/32, in/32, 2, 16, 32]`
+      (csrc/amx_linear_cpu.cpp). oneDNN's bf16 matmul streamed the benchmark model's weights at
+      15-23 GB/s for 1-64 rows on the project's CPU, where two threads can read 33; this kernel
+      reads them at 22-33.
+    - fp32, where the CPU has AVX-512: panels of 32 outputs, `[out/32, in, 32]`
+      (csrc/dense_fp32_cpu.cpp), which stream from memory while the multiplies run: 0.83-0.87x
+      oneDNN's time for 8-64 rows of the benchmark model, 1.09x at 256-1024 (a prefill).
+    """
+    if _packable(weight, torch.bfloat16) and amx_linear_available():
         return torch.ops.splittts_kernels.amx_pack_linear_weight(weight.detach())
+    if _packable(weight, torch.float32) and fp32_linear_available():
+        return torch.ops.splittts_kernels.fp32_pack_linear_weight(weight.detach())
     return dense.pack_weight(weight)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`dense.linear` on a weight from `pack_linear_weight`: the AMX kernel for the weights it
-    packed, `dense.onednn_linear` for the rest."""
-    if not _amx_packed(weight):
+    """`dense.linear` on a weight from `pack_linear_weight`: the compiled kernel that packed it,
+    `dense.onednn_linear` for the rest."""
+    if _amx_packed(weight):
+        op = torch.ops.splittts_kernels.amx_linear
+    elif _fp32_packed(weight):
+        op = torch.ops.splittts_kernels.fp32_linear
+    else:
         return dense.onednn_linear(x, weight, bias)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    y = torch.ops.splittts_kernels.amx_linear(rows, weight, bias)
+    y = op(rows, weight, bias)
     return y.view(*shape[:-1], y.shape[-1])
 
 

@@ -57,7 +57,7 @@ def cpu_ops() -> Ops:
     """The reference with oneDNN projections and, where they build, the compiled kernels (decode
     attention and the KV write, RMS norms plain, residual and gated, SiLU-and-multiply, rotary
     with or without q/k norms, causal conv1d, gated delta rule and its inputs; bf16 projections
-    on AMX where the CPU has it)."""
+    on AMX and fp32 ones on AVX-512 where the CPU has them)."""
     ops = REFERENCE_OPS
     if linear.onednn_available():
         ops = replace(ops, linear=linear.onednn_linear, pack_linear_weight=linear.pack_weight)
@@ -79,7 +79,7 @@ def cpu_ops() -> Ops:
             recurrent_gated_delta_rule=cpu_ext.recurrent_gated_delta_rule,
             gated_delta_net_inputs=cpu_ext.gated_delta_net_inputs,
         )
-        if cpu_ext.amx_linear_available():
+        if cpu_ext.amx_linear_available() or cpu_ext.fp32_linear_available():
             ops = replace(ops, linear=cpu_ext.linear, pack_linear_weight=cpu_ext.pack_linear_weight)
     return ops
 

@@ -31,7 +31,8 @@ def test_get_ops_picks_reference_for_cpu_and_cuda() -> None:
 
     cpu = kernels.get_ops("cpu")
     assert cpu is kernels.get_ops(torch.device("cpu"))  # chosen once
-    if cpu_ext.amx_linear_available():  # bf16 on AMX, the rest on oneDNN (test_kernels_amx_linear)
+    # bf16 on AMX, fp32 on AVX-512, the rest on oneDNN (test_kernels_{amx,fp32}_linear)
+    if cpu_ext.amx_linear_available() or cpu_ext.fp32_linear_available():
         assert (cpu.linear, cpu.pack_linear_weight) == (cpu_ext.linear, cpu_ext.pack_linear_weight)
     else:
         assert cpu.linear is (linear.onednn_linear if linear.onednn_available() else linear.linear)

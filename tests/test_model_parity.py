@@ -283,3 +283,24 @@ def test_bf16_projections_on_amx_are_as_close_to_hf_fp32_as_unpacked_ones(name, 
         (logits,) = StepHarness(model).step([("a", tokens(40, seed=7))])
         errors[packed] = (logits.float() - ref).abs().max().item()
     assert errors[True] <= 1.25 * errors[False] + 1e-3, errors
+
+
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_fp32_projections_on_the_avx512_kernel_match_hf(name, tmp_path):
+    """An fp32 model whose projections run on the AVX-512 kernel (packed at load, as the engine
+    does; the tied LM head too) gives HF's fp32 logits to the parity tolerance."""
+    from kernels import cpu_ext
+    from text_service.models.layers import Linear
+
+    if not cpu_ext.fp32_linear_available():
+        pytest.skip("this CPU or build has no AVX-512")
+    kind, overrides = WIDE[name]
+    path = make_tiny_model(tmp_path, kind, **overrides)
+    model = load_model(path, device="cpu", dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    model.pack_weights()
+    assert sum(m.weight.dim() == 3 for m in linears) >= 4
+    assert not model.tie_word_embeddings or model._tied_head.dim() == 3
+    prompt = tokens(40, seed=7)
+    (logits,) = StepHarness(model).step([("a", prompt)])
+    assert_close(logits, hf_logits(load_hf_model(path), prompt))
