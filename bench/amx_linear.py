@@ -1,13 +1,18 @@
-"""bf16 projections of a benchmark model: oneDNN's packed matmul against the AMX kernel.
+"""Projections of a benchmark model: oneDNN's packed matmul against the compiled kernel, the AMX
+one in bf16 (`--dtype bfloat16`, the default) or the AVX-512 one in fp32 (`--dtype float32`).
 
 Every projection of the model (and its tied LM head) in the order a decode step meets them, at
 each row count, with the weights packed once for oneDNN (`kernels.linear.pack_weight`, what the
-engine used before) and once in the AMX kernel's tile order (`kernels.cpu_ext`); the two are run
+engine used before) and once in the compiled kernel's layout (`kernels.cpu_ext`); the two are run
 in turn, `--repeats` times each, and the best pass of each is reported with the rate it read the
-weights at and the ratio. At decode row counts a projection's time is the time to stream its
-weights, so GB/s is the figure to hold against the machine's memory bandwidth.
+weights at, its GFLOP/s and the ratio. At bf16 decode row counts a projection's time is the time
+to stream its weights, so GB/s is the figure to hold against the machine's memory bandwidth; in
+fp32 the multiplies bound it from about 16 rows on, so GFLOP/s is held against the matmul peak
+measured in the same run (oneDNN on one 512 x 1024 weight that stays in cache, 256 rows, called
+again and again).
 
-    python -m bench.amx_linear [--kind qwen3] [--rows 1,8,16,32,64,256] [--threads 2] [--json]
+    python -m bench.amx_linear [--dtype bfloat16|float32] [--kind qwen3] [--rows 1,8,16,32,64,256]
+        [--threads 2] [--json]
 """
 
 from __future__ import annotations
@@ -40,9 +45,22 @@ def time_pass(run, packed: list[torch.Tensor], inputs: list[torch.Tensor]) -> fl
     return time.perf_counter() - start
 
 
+def matmul_peak(dtype: torch.dtype, rows: int = 256, calls: int = 20) -> float:
+    """GFLOP/s of oneDNN's packed matmul on one 512 x 1024 weight (1-2 MB: it stays in cache),
+    the best of five runs of `calls` calls: this CPU's matmul rate with memory out of the way."""
+    from kernels import linear
+
+    w = linear.pack_weight(torch.randn(512, 1024).to(dtype))
+    x = torch.randn(rows, 1024).to(dtype)
+    linear.onednn_linear(x, w)
+    best = min(time_pass(linear.onednn_linear, [w] * calls, [x] * calls) for _ in range(5))
+    return 2 * rows * 512 * 1024 * calls / best / 1e9
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kind", choices=sorted(MODEL_KINDS), default="qwen3")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--rows", default="1,8,16,32,64,256", help="comma-separated row counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=6, help="passes of each, in turn")
@@ -51,22 +69,29 @@ def main(argv: list[str] | None = None) -> dict:
 
     from kernels import cpu_ext, linear
 
-    if not cpu_ext.amx_linear_available():
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and not cpu_ext.amx_linear_available():
         raise SystemExit("bench.amx_linear: this CPU or build has no AMX-BF16")
+    if dtype == torch.float32 and not cpu_ext.fp32_linear_available():
+        raise SystemExit("bench.amx_linear: this CPU or build has no AVX-512")
     if not linear.onednn_available():
         raise SystemExit("bench.amx_linear: this torch has no oneDNN matmul")
     torch.set_num_threads(args.threads)
-    loaded = model_weights(args.kind)
+    loaded = [w.to(dtype) for w in model_weights(args.kind)]
     # the projections both pack (a weight under ONEDNN_MIN_MACS stays on F.linear either way)
     both = [(w, linear.pack_weight(w), cpu_ext.pack_linear_weight(w)) for w in loaded]
-    both = [(w, o, a) for w, o, a in both if o.is_mkldnn and a.dim() == 5]
-    weights, onednn, amx = (list(t) for t in zip(*both))
+    both = [(w, o, a) for w, o, a in both if o.is_mkldnn and a.dim() in (3, 5)]
+    weights, onednn, compiled = (list(t) for t in zip(*both))
     nbytes = sum(w.numel() * w.element_size() for w in weights)
+    macs = sum(w.numel() for w in weights)
     cases = {
         "onednn": (linear.onednn_linear, onednn),
-        "amx": (cpu_ext.linear, amx),
+        "compiled": (cpu_ext.linear, compiled),
     }
     report: dict = {
+        "dtype": args.dtype,
+        "compiled_kernel": "amx" if dtype == torch.bfloat16 else "avx512_fp32",
+        "peak_gflop_per_s": round(matmul_peak(dtype), 1),
         "kind": args.kind,
         "threads": args.threads,
         "projections": len(weights),
@@ -77,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     torch.manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = [torch.randn(rows, w.shape[1]).bfloat16() for w in weights]
+        inputs = [torch.randn(rows, w.shape[1]).to(dtype) for w in weights]
         best = {}
         for run, packed in cases.values():  # first calls: primitives, pages, caches
             time_pass(run, packed, inputs)
@@ -87,24 +112,34 @@ def main(argv: list[str] | None = None) -> dict:
                 passes[name].append(time_pass(run, packed, inputs))
         for name, times in passes.items():
             t = min(times)
-            best[name] = {"ms": round(t * 1e3, 2), "gb_per_s": round(nbytes / t / 1e9, 1)}
-        best["ratio_amx_vs_onednn"] = round(best["amx"]["ms"] / best["onednn"]["ms"], 3)
+            best[name] = {
+                "ms": round(t * 1e3, 2),
+                "gb_per_s": round(nbytes / t / 1e9, 1),
+                "gflop_per_s": round(2 * rows * macs / t / 1e9, 1),
+            }
+        best["ratio_compiled_vs_onednn"] = round(best["compiled"]["ms"] / best["onednn"]["ms"], 3)
         report["rows"][rows] = best
     report["machine_load_end"] = machine_load()
     if args.json:
         print(json.dumps(report))
     else:
         print(
-            f"{report['projections']} bf16 projections of {args.kind} ({report['weight_mb']} MB; "
-            f"{report['projections_left_out']} left on F.linear), {args.threads} threads, "
-            f"best of {args.repeats}"
+            f"{report['projections']} {args.dtype} projections of {args.kind} "
+            f"({report['weight_mb']} MB; {report['projections_left_out']} left on F.linear), "
+            f"{args.threads} threads, best of {args.repeats}; matmul peak in cache "
+            f"{report['peak_gflop_per_s']} GFLOP/s"
         )
-        print(f"{'rows':>6}{'oneDNN ms':>12}{'GB/s':>8}{'AMX ms':>10}{'GB/s':>8}{'ratio':>8}")
+        name = report["compiled_kernel"]
+        print(
+            f"{'rows':>6}{'oneDNN ms':>12}{'GB/s':>8}{'GFLOP/s':>9}"
+            f"{name + ' ms':>16}{'GB/s':>8}{'GFLOP/s':>9}{'ratio':>8}"
+        )
         for rows, r in report["rows"].items():
+            one, ours = r["onednn"], r["compiled"]
             print(
-                f"{rows:>6}{r['onednn']['ms']:>12.1f}{r['onednn']['gb_per_s']:>8.1f}"
-                f"{r['amx']['ms']:>10.1f}{r['amx']['gb_per_s']:>8.1f}"
-                f"{r['ratio_amx_vs_onednn']:>8.2f}"
+                f"{rows:>6}{one['ms']:>12.1f}{one['gb_per_s']:>8.1f}{one['gflop_per_s']:>9.0f}"
+                f"{ours['ms']:>16.1f}{ours['gb_per_s']:>8.1f}{ours['gflop_per_s']:>9.0f}"
+                f"{r['ratio_compiled_vs_onednn']:>8.2f}"
             )
         print(f"machine load {report['machine_load_start']} -> {report['machine_load_end']}")
     return report
