@@ -100,6 +100,10 @@ LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
     ),
     "bf16 torch, pinned": (BF16, PINNED),
     "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], {}),
+    "fp32 onnxruntime, vocoder on both cores, 2 workers": (
+        ["--backend", "onnx", "--threads", "1"],
+        None,
+    ),
     "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], PINNED),
 }
 

@@ -299,3 +299,33 @@ def test_bf16_streams_stacked_in_one_forward_track_each_alone():
     for t, a in zip(together, alone):
         assert t.shape == a.shape == (38 * 256,)
         assert _snr_db(a, t) >= 40, _snr_db(a, t)
+
+
+@pytest.mark.parametrize(
+    "amx, vendor, avx512_bf16, expected",
+    [
+        (True, "GenuineIntel", True, ("torch", "bf16")),  # Xeon Sapphire Rapids on
+        (False, "AuthenticAMD", True, ("torch", "bf16")),  # EPYC Zen 4 on
+        (False, "GenuineIntel", True, ("onnx", "fp32")),  # vdpbf16ps at a quarter of FMA's rate
+        (False, "AuthenticAMD", False, ("onnx", "fp32")),  # Zen 3 and before
+        (False, "", False, ("onnx", "fp32")),
+    ],
+)
+def test_the_default_cpu_vocoder_is_bf16_where_the_cpu_runs_it_fast(
+    monkeypatch, amx, vendor, avx512_bf16, expected
+):
+    from vocoder_service import backends
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(backends, "cpu_vendor", lambda: vendor)
+    assert backends.auto_backend(torch.device("cpu")) == expected
+    # a GPU keeps its own precision whatever the host CPU
+    assert backends.auto_backend(torch.device("cuda")) == ("onnx", "fp16")
+
+
+def test_the_cpu_vendor_is_read_from_linux():
+    from vocoder_service.backends import cpu_vendor
+
+    with open("/proc/cpuinfo") as f:
+        assert cpu_vendor() and cpu_vendor() in f.read()

@@ -57,8 +57,8 @@ def test_seeded_synthesis_is_reproducible(deployment):
     c, _ = synthesize(deployment.address, SENTENCE, seed=12, temperature=0.8)
     assert report.audio_s > 1.0 and report.num_speech_tokens > 40
     # Same seed, same tokens; chunk boundaries follow token arrival times, so the vocoder's
-    # rounding may differ (about 50 dB apart in bf16, the default on a CPU with AMX; a last
-    # bit in fp32): compare as audio, not bytes.
+    # rounding may differ (about 50 dB apart in bf16, the default where the CPU runs it fast; a
+    # last bit in fp32): compare as audio, not bytes.
     assert len(a) == len(b) and snr_db(a, b) >= 40.0
     assert len(a) != len(c) or snr_db(a, c) < 20.0
 
@@ -110,7 +110,7 @@ def test_stream_equals_offline_vocoding(deployment):
     voice = load_voice(VOICE)
     with grpc.insecure_channel(deployment.by_name("vocoder-service").address) as ch:
         info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(vocoder_pb2.GetInfoRequest(), timeout=10)
-    # offline in the precision the service runs (bf16 on a CPU with AMX)
+    # offline in the precision the service runs (bf16 where the CPU runs it fast)
     backend = (
         TorchBackend(voice.generator, bf16=True)
         if info.precision == "bf16"

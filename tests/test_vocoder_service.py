@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from tests.procs import ROOT, ServiceProcess, metric_value
 from tests.voices import make_random_voice
-from vocoder_service.backends import OnnxBackend, cpu_has_amx
+from vocoder_service.backends import OnnxBackend, cpu_runs_bf16_convs_fast
 from vocoder_service.checkpoint import resolve_checkpoint
 from vocoder_service.client import mel_requests, token_requests, vocode
 from vocoder_service.mel import MelSpectrogram
@@ -92,9 +92,9 @@ def test_health_reflection_and_info(service, voice_dir):
 
 
 def test_default_backend_follows_the_cpu(voice_dir, tmp_path, speech_mel, offline_backend):
-    """With no --backend the service picks by the CPU: torch in bf16 where it has AMX, else
-    ONNX Runtime in fp32; either way its audio is the fp32 audio to within
-    bf16's rounding."""
+    """With no --backend the service picks by the CPU: torch in bf16 where it runs bf16
+    convolutions fast (AMX, or AVX-512 BF16 on AMD), else ONNX Runtime in fp32; either way its
+    audio is the fp32 audio to within bf16's rounding."""
     proc = vocoder_process(voice_dir, tmp_path)
     try:
         with proc.channel() as ch:
@@ -102,7 +102,7 @@ def test_default_backend_follows_the_cpu(voice_dir, tmp_path, speech_mel, offlin
             result = vocode(ch, mel_requests(speech_mel, 3))
     finally:
         assert proc.stop() == 0
-    expected = ("torch", "bf16") if cpu_has_amx() else ("onnxruntime", "fp32")
+    expected = ("torch", "bf16") if cpu_runs_bf16_convs_fast() else ("onnxruntime", "fp32")
     assert (info.backend, info.precision) == expected
     offline = offline_backend.run(speech_mel[None])[0]
     assert len(result.audio) == len(offline) == speech_mel.shape[1] * 256

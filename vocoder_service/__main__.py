@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=("auto", "onnx", "torch"),
         default="auto",
-        help="auto: torch in bf16 on a CPU with AMX, else "
+        help="auto: torch in bf16 on a CPU with AMX or an AMD CPU with AVX-512 BF16, else "
         "ONNX Runtime (fp16 on CUDA); torch in fp16 on an NPU",
     )
     p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--bf16",
         action="store_true",
         help="run the generator in bf16 (torch backend; on the CPU through oneDNN, fastest "
-        "where the CPU has AMX)",
+        "where the CPU has AMX or is an AMD CPU with AVX-512 BF16)",
     )
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
     p.add_argument(

@@ -134,7 +134,7 @@ class TorchBackend(Backend):
     """The torch generator on any torch device, in fp32, fp16 or bf16.
 
     On the CPU, bf16 runs the height-1 2-D form in channels-last layout on weights packed once
-    for oneDNN (`Generator.pack_for_onednn`): on a CPU with AMX the fastest
+    for oneDNN (`Generator.pack_for_onednn`): where `cpu_runs_bf16_convs_fast` the fastest
     generator here.
     """
 
@@ -453,16 +453,40 @@ def cpu_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string as Linux reports it ("GenuineIntel", "AuthenticAMD"), or ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_runs_bf16_convs_fast() -> bool:
+    """Whether oneDNN's bf16 convolutions beat ONNX Runtime's fp32 ones on this CPU, streamed:
+    where it has AMX tiles, or AVX-512 BF16 on an AMD CPU (Zen 4 on), whose `vdpbf16ps` runs
+    at twice its fp32 multiply-add rate. Intel's cores without AMX run that instruction at a
+    quarter of theirs, and there bf16 lost to ONNX Runtime fp32 (bench/README.md)."""
+    if cpu_has_amx():
+        return True
+    return cpu_vendor() == "AuthenticAMD" and bool(torch.cpu._is_avx512_bf16_supported())
+
+
 def auto_backend(device: torch.device) -> tuple[str, str]:
     """(backend, precision) of the vocoder when the operator names neither: the one place that
-    default is decided. A CPU with AMX runs the torch generator in bf16: about half the CPU time
-    of ONNX Runtime's fp32 streamed, with the same WER and DNSMOS on the natural held-out set
-    (bench/README.md). With AVX-512 BF16 alone the same bf16 convolutions ran slower than
-    ONNX Runtime's fp32 (0.62-0.78 against 0.40 CPU s per audio s, oneDNN held to that
-    instruction set on the same CPU), so other CPUs keep ONNX Runtime fp32. An NPU runs torch in
-    fp16; CUDA runs ONNX Runtime in fp16."""
+    default is decided. Where oneDNN's bf16 convolutions are fast (`cpu_runs_bf16_convs_fast`)
+    the CPU runs the torch generator in bf16 for about half of ONNX Runtime fp32's CPU time
+    streamed, with WER within 0.5 points and DNSMOS within 0.01 of it on the natural held-out
+    set, measured on an Intel Xeon with AMX and on an AMD EPYC (Zen 4) with AVX-512 BF16
+    (bench/README.md). On an Intel CPU with AVX-512 BF16 alone the same bf16 convolutions ran
+    slower than ONNX Runtime's fp32 (0.62-0.78 against 0.40 CPU s per audio s, oneDNN held to
+    that instruction set), so other CPUs keep ONNX Runtime fp32. An NPU runs torch in fp16;
+    CUDA runs ONNX Runtime in fp16."""
     if device.type == "cpu":
-        return ("torch", "bf16") if cpu_has_amx() else ("onnx", "fp32")
+        return ("torch", "bf16") if cpu_runs_bf16_convs_fast() else ("onnx", "fp32")
     if device.type == "npu":
         return "torch", "fp16"
     return "onnx", "fp16"
