@@ -3,6 +3,7 @@
 vLLM runs in its own venv (never the project's) as a subprocess of this script that writes its
 timing as JSON; it runs twice, with its default threading and with both cores bound
 (`VLLM_CPU_OMP_THREADS_BIND=0-1`, LD_PRELOAD of tcmalloc and iomp), and the better run counts.
+Our engine runs the workload once before vLLM's runs and once after, and the mean counts.
 
     python -m bench.vllm_cpu [--quick] [--json] [--dtype float32|bfloat16] [--venv DIR]
 """
@@ -164,26 +165,46 @@ def run_vllm(
     return res
 
 
-def run_ours(model: Path, dtype: str, requests, threads: int) -> dict:
-    import torch
+class Ours:
+    """Our engine, built once and timed on the workload before and after vLLM's runs: the
+    machine's speed drifts over minutes (VM neighbours), and the mean of a run on each side of
+    vLLM's cancels a steady drift that a run on one side would give to one engine alone."""
 
-    from bench.engine import build_engine, run_offline
-    from bench.workload import WorkloadSpec, make_workload
+    def __init__(self, model: Path, dtype: str, requests, threads: int):
+        import torch
 
-    torch.set_num_threads(threads)
-    engine = build_engine(model, dtype, kv_gib=2.0)
-    run_offline(engine, make_workload(WorkloadSpec(4, (16, 32), (4, 8)), seed=99), "warm")
-    first = engine.generate(
-        [r.prompt_token_ids for r in requests[:2]],
-        [_our_params(r.max_tokens) for r in requests[:2]],
-    )
-    res = run_offline(engine, requests, "r")
-    return {
-        "tokens_per_s": res["tokens_per_s"],
-        "elapsed_s": res["elapsed_s"],
-        "num_preemptions": res["num_preemptions"],
-        "first_outputs": first,
-    }
+        from bench.engine import build_engine, run_offline
+        from bench.workload import WorkloadSpec, make_workload
+
+        torch.set_num_threads(threads)
+        self.requests, self.runs = requests, []
+        self.engine = build_engine(model, dtype, kv_gib=2.0)
+        run_offline(self.engine, make_workload(WorkloadSpec(4, (16, 32), (4, 8)), seed=99), "warm")
+        self.first_outputs = self.engine.generate(
+            [r.prompt_token_ids for r in requests[:2]],
+            [_our_params(r.max_tokens) for r in requests[:2]],
+        )
+
+    def run(self) -> float:
+        from bench.engine import run_offline
+
+        res = run_offline(self.engine, self.requests, f"r{len(self.runs)}_")
+        self.runs.append(
+            {
+                "tokens_per_s": res["tokens_per_s"],
+                "elapsed_s": res["elapsed_s"],
+                "num_preemptions": res["num_preemptions"],
+            }
+        )
+        return res["tokens_per_s"]
+
+    def report(self) -> dict:
+        rates = [r["tokens_per_s"] for r in self.runs]
+        return {
+            "tokens_per_s": sum(rates) / len(rates),
+            "runs": self.runs,
+            "first_outputs": self.first_outputs,
+        }
 
 
 def _our_params(n: int):
@@ -232,9 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine_load_start": machine_load(),
         "runs": {},
     }
-    ours = run_ours(model, args.dtype, requests, args.threads)
-    report["ours"] = ours
-    log(f"ours: {ours['tokens_per_s']:.1f} tok/s")
+    engine = Ours(model, args.dtype, requests, args.threads)
+    log(f"ours, before vLLM: {engine.run():.1f} tok/s")
     modes, skipped = {"default": {}}, None
     iomp = find_iomp(args.venv)
     if ensure_tcmalloc(not args.no_install) and iomp is not None:
@@ -258,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
             report["runs"][mode] = res
             log(f"vLLM {mode}: {res['tokens_per_s']:.1f} tok/s (start-up {res['startup_s']:.0f} s)")
+    log(f"ours, after vLLM: {engine.run():.1f} tok/s")
+    ours = report["ours"] = engine.report()
     best = max(report["runs"], key=lambda m: report["runs"][m]["tokens_per_s"])
     report["vllm_best_mode"] = best
     report["vllm_tokens_per_s"] = report["runs"][best]["tokens_per_s"]
@@ -267,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
         ours["first_outputs"] == report["runs"][best]["first_outputs"]
     )
     report["notes"] = [
-        "tokens/s over the timed generate only (vLLM start-up and warm-up excluded)",
+        "tokens/s over the timed generate only (vLLM start-up and warm-up excluded); ours is "
+        "the mean of a run before and a run after vLLM's",
         "prefix caching off on both sides; EOS ignored; same prompts and lengths",
         "the machine is shared: expect noise of 10% or more between runs, far more when "
         "another process holds a core (see bench/README.md)",
@@ -287,7 +310,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"machine load at start {report['machine_load_start']}, at end {report['machine_load_end']}"
         )
-        print(f"{'ours':36}{ours['tokens_per_s']:>10.1f} tok/s")
+        before, after = (r["tokens_per_s"] for r in ours["runs"])
+        print(
+            f"{'ours (mean of before / after vLLM)':36}{ours['tokens_per_s']:>10.1f} tok/s"
+            f"  ({before:.1f} / {after:.1f})"
+        )
         for mode, res in report["runs"].items():
             print(
                 f"{'vLLM CPU (' + mode + ')':36}{res['tokens_per_s']:>10.1f} tok/s  start-up {res['startup_s']:.0f} s"
