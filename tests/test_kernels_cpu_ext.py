@@ -69,14 +69,40 @@ def test_decode_matches_reference_fp32(lengths, heads, head_dim, block_size) -> 
     torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
 
 
+SCORES = {"widened_keys": 0, "bf16_dot": 1}  # attention_bf16_dot_scores' choices
+
+
+@pytest.fixture(params=list(SCORES))
+def bf16_scores(request):
+    """Each way the vector path takes bf16 scores, whichever this CPU would pick."""
+    choose = torch.ops.splittts_kernels.attention_bf16_dot_scores
+    taken = choose(SCORES[request.param])
+    if request.param == "bf16_dot" and not taken:
+        choose(-1)
+        pytest.skip("this CPU or build has no AVX-512 BF16")
+    yield request.param
+    choose(-1)
+
+
+def test_bf16_scores_take_the_dot_products_where_the_cpu_runs_them_fast() -> None:
+    # AMD's cores run vdpbf16ps at twice their fp32 multiply-add rate, Intel's at a quarter
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    expected = amd and torch.cpu._is_avx512_bf16_supported()
+    assert torch.ops.splittts_kernels.attention_bf16_dot_scores(-1) == expected
+    with pytest.raises(ValueError, match="choice must be -1, 0, 1 or 2, got 5"):
+        torch.ops.splittts_kernels.attention_bf16_dot_scores(5)
+
+
 @pytest.mark.parametrize("lengths", ["one_token", "unaligned", "long", "mixed_37"])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_matches_reference_bf16(lengths, heads, head_dim, block_size) -> None:
+def test_decode_matches_reference_bf16(lengths, heads, head_dim, block_size, bf16_scores) -> None:
     """bf16 caches: head sizes 64 and 128 take the vector path where the CPU has AVX-512 (rows
-    widened as even and odd values, outputs put back in order), 80 the scalar one; every GQA
-    ratio; blocks of one and of two 16-token vectors."""
+    widened as even and odd values, outputs put back in order; scores either from the keys
+    widened to fp32 or from bf16 dot products of the keys as they lie), 80 the scalar one; every
+    GQA ratio; blocks of one and of two 16-token vectors."""
     batch = decode_batch(LENGTHS[lengths], *heads, head_dim, block_size, torch.bfloat16)
     compiled, reference = both(batch)
     # both round the same fp32-accumulated result to bf16 (reference: SDPA's own kernel)
