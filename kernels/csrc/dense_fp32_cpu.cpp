@@ -38,9 +38,9 @@
 namespace {
 
 constexpr int64_t kPanel = 32;           // outputs per panel: two vectors of 16
-// Rows per register block, 28 accumulators of the 32 either way: up to 14 rows x one panel where
-// all rows fit one block (each weight row is loaded once: the memory-bound decode), else 7 rows x
-// a pair of panels (half the broadcasts per multiply-add: the compute-bound rest)
+// Rows per register block: up to 8 rows x one panel where all rows fit one block (each weight row
+// is loaded once: the memory-bound decode), else 7 rows x a pair of panels, 28 accumulators of
+// the 32 (half the broadcasts per multiply-add: the compute-bound rest)
 constexpr int64_t kSingleRows = 8;
 constexpr int64_t kPairRows = 7;
 constexpr int64_t kChunkBytes = 1 << 20;  // input rows held in L2 at once
