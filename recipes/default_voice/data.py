@@ -35,7 +35,7 @@ def espeak_phonemes(text: str, voice: str) -> str:
     return "\n".join(line.strip() for line in out.stdout.splitlines() if line.strip())
 
 
-def _mel(audio: np.ndarray) -> np.ndarray:
+def teacher_mel(audio: np.ndarray) -> np.ndarray:
     if "mel" not in _worker:
         import torch
 
@@ -68,7 +68,7 @@ def make_utterance(item: tuple[str, str, int]) -> Utterance | None:
         if num_tokens < 4 or not units:
             return None
         audio = audio[start : start + num_tokens * hop * frames_per_token]
-        mel = _mel(audio)[:, : num_tokens * frames_per_token]
+        mel = teacher_mel(audio)[:, : num_tokens * frames_per_token]
         durations = durations_for(
             phones, units, start, num_tokens, lang == "en", hop * frames_per_token
         )

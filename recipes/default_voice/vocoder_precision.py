@@ -3,13 +3,16 @@ on the natural held-out English set (Debian `fortunes`, a source the training ne
 with the same speech codes vocoded by each generator precision, side by side.
 
     python -m recipes.default_voice.vocoder_precision [--voice voices/default] [--count 100]
+        [--compare-universal]
 
 Each sentence goes through the deployed decoding once (espeak-ng phonemes, the voice's LM with
 its phoneme-synchronous plan, greedy); its codes go through the voice's token decoder once; only
 the generator differs: ONNX Runtime fp32 (the service's default) and torch bf16 (`--bf16
 --backend torch`), each streamed chunk by chunk as the service runs it on a CPU. Also printed:
 each generator's CPU seconds per audio second on one thread, measured in the same run,
-alternating which goes first. One JSON object on stdout; progress on stderr.
+rotating which goes first. With `--compare-universal` the pretrained universal V1 runs beside
+the voice's own generator in both precisions (how a distilled generator, `distill.py`, is judged).
+One JSON object on stdout; progress on stderr.
 """
 
 from __future__ import annotations
@@ -40,16 +43,23 @@ def _log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def generators(voice_dir: Path) -> dict:
+def generators(voice_dir: Path, compare_universal: bool = False) -> dict:
     from vocoder_service.backends import OnnxBackend, TorchBackend
+    from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import load_voice
 
     voice = load_voice(voice_dir)
-    return {
-        "voice": voice,
-        "fp32 (onnxruntime)": OnnxBackend(voice.generator, intra_op_threads=1),
-        "bf16 (torch, oneDNN)": TorchBackend(voice.generator, bf16=True),
-    }
+    checkpoints = {"": voice.generator}
+    if compare_universal:
+        universal = resolve_checkpoint()
+        if universal.fingerprint == voice.generator.fingerprint:
+            raise SystemExit(f"{voice_dir} uses the universal generator already")
+        checkpoints = {"voice's own, ": voice.generator, "universal V1, ": universal}
+    tools: dict = {"voice": voice}
+    for prefix, checkpoint in checkpoints.items():
+        tools[f"{prefix}fp32 (onnxruntime)"] = OnnxBackend(checkpoint, intra_op_threads=1)
+        tools[f"{prefix}bf16 (torch, oneDNN)"] = TorchBackend(checkpoint, bf16=True)
+    return tools
 
 
 def streamed(backend, mel: np.ndarray, chunk: int = 32) -> np.ndarray:
@@ -73,6 +83,11 @@ def main() -> None:
     )
     p.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
     p.add_argument("--count", type=int, default=100, help="held-out sentences")
+    p.add_argument(
+        "--compare-universal",
+        action="store_true",
+        help="also run the pretrained universal V1 (for a voice with its own generator)",
+    )
     args = p.parse_args()
 
     import torch
@@ -94,7 +109,7 @@ def main() -> None:
         predictor=args.voice / "durations" / "duration_predictor.safetensors",
     )
     _log(f"decoded {len(texts)} sentences in {time.perf_counter() - started:.0f} s")
-    tools = generators(args.voice)
+    tools = generators(args.voice, args.compare_universal)
     decoder = tools.pop("voice").token_decoder
     mels = []
     for stream in streams:
@@ -110,7 +125,7 @@ def main() -> None:
             name: {"cpu_s": 0.0, "errors": 0, "words": 0, "dnsmos": []} for name in tools
         }
         for k, (text, mel) in enumerate(zip(texts, mels)):
-            order = list(tools) if k % 2 == 0 else list(tools)[::-1]  # alternate who goes first
+            order = list(tools)[k % len(tools) :] + list(tools)[: k % len(tools)]  # rotate
             for name in order:
                 cpu = time.process_time()
                 wav = streamed(tools[name], mel)
@@ -138,7 +153,8 @@ def main() -> None:
         },
     }
     cfg.cache.mkdir(parents=True, exist_ok=True)  # the voice card's table (bundle.py)
-    (cfg.cache / "vocoder_precision.json").write_text(json.dumps(result, indent=1))
+    name = "vocoder_distilled.json" if args.compare_universal else "vocoder_precision.json"
+    (cfg.cache / name).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
 

@@ -1,0 +1,448 @@
+"""A lighter HiFi-GAN for the default voice, distilled from the universal V1 on the voice's own mels.
+
+The student is the same network at a narrower width (`--width 128` is HiFi-GAN V2's shape, 256
+halfway between V2 and V1: a quarter of V1's multiplies). It learns to reproduce the teacher's
+waveform, which is a deterministic function of the mel, so plain regression suffices: no
+discriminator. Its inputs are the mels the service feeds it: the voice's speech tokens (the
+teacher audio's nearest codebook rows) through the voice's token decoder.
+
+    python -m recipes.default_voice.distill prepare [--en 4000 --zh 1000]   # CPU, ~3 min
+    python -m recipes.default_voice.distill train --width 256 --minutes 7 --out DIR   # a GPU
+    python -m recipes.default_voice.distill export --student DIR [--voice voices/default]
+
+`prepare` writes the codes and the teacher's weights (weight norm folded, fp16) to
+`<cache>/distill/`; `train` needs only that folder, the voice and torch, so it runs on a machine
+without the recipe's system tools. Every minute `train` writes the student and a line of its
+held-out figures against the teacher (`log.jsonl`). Judge the exported voice with
+`python -m recipes.default_voice.vocoder_precision --student`, by WER and DNSMOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vocoder_service.hifigan import LRELU_SLOPE, Generator, HifiGanConfig, Offline
+from vocoder_service.mel import mel_filterbank
+from vocoder_service.token_decoder import load_token_decoder
+
+ROOT = Path(__file__).resolve().parents[2]
+TEACHER = "teacher.safetensors"
+TEACHER_CONFIG = "teacher_config.json"
+CODES = "codes.npz"
+STUDENT = "generator.safetensors"
+# loss weights: HiFi-GAN's mel term, a multi-resolution STFT term and the waveform itself (the
+# teacher's phase is a function of its input, so the student can and should follow it)
+MEL_WEIGHT, STFT_WEIGHT, WAVE_WEIGHT = 45.0, 1.0, 10.0
+STFT_RESOLUTIONS = ((512, 128), (1024, 256), (2048, 512))
+
+
+def _log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- prepare (CPU, recipe tools)
+
+
+def _utterance_mel(item: tuple[str, str]) -> np.ndarray | None:
+    """Teacher audio -> trimmed log-mel `[80, frames]` fp16, or None when it fails or is short."""
+    from recipes.default_voice.data import teacher_audio, teacher_mel
+    from recipes.default_voice.teacher import trim_bounds
+
+    text, lang = item
+    try:
+        audio, phones = teacher_audio(text, lang)
+    except (subprocess.CalledProcessError, ValueError, OSError) as exc:
+        _log(f"skip {text!r}: {exc}")
+        return None
+    start, end = trim_bounds(phones, len(audio))
+    frames = (end - start) // 256
+    if frames < 64:
+        return None
+    return teacher_mel(audio[start : start + frames * 256])[:, :frames].astype(np.float16)
+
+
+def prepare(cache: Path, voice: Path, en: int, zh: int, workers: int) -> Path:
+    """Teacher mels of the voice's training sentences -> their codes; the teacher's weights."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from recipes.default_voice.config import RecipeConfig
+    from recipes.default_voice.data import sentences
+    from recipes.default_voice.tokens import assign, stacked
+    from vocoder_service.checkpoint import load_generator, resolve_checkpoint
+
+    out = cache / "distill"
+    out.mkdir(parents=True, exist_ok=True)
+    splits = sentences(dataclasses.replace(RecipeConfig(), cache=cache))
+    items = [(t, "en") for t in splits["en_train"][:en]] + [
+        (t, "zh") for t in splits["zh_train"][:zh]
+    ]
+    decoder = load_token_decoder(voice / "vocoder")
+    if decoder is None:
+        raise SystemExit(f"{voice} has no token decoder")
+    codebook = decoder.codebook.detach().float()
+    fpt = decoder.config.frames_per_token
+    codes, langs = [], []
+    started = time.perf_counter()
+    with ProcessPoolExecutor(workers) as pool:
+        for k, mel in enumerate(pool.map(_utterance_mel, items, chunksize=16)):
+            if mel is not None:
+                vectors = torch.from_numpy(stacked(mel.astype(np.float32), fpt))
+                codes.append(assign(vectors, codebook).numpy().astype(np.int16))
+                langs.append(items[k][1])
+            if (k + 1) % 500 == 0:
+                _log(f"{k + 1}/{len(items)} sentences, {time.perf_counter() - started:.0f} s")
+    np.savez(
+        out / CODES,
+        codes=np.concatenate(codes),
+        lengths=np.array([len(c) for c in codes], dtype=np.int32),
+        langs=np.array(langs),
+    )
+    write_teacher(load_generator(resolve_checkpoint()), out)
+    hours = sum(len(c) for c in codes) * fpt * 256 / 22050 / 3600
+    _log(f"{len(codes)} utterances, {hours:.2f} h of teacher audio -> {out}")
+    return out
+
+
+# ---------------------------------------------------------------- train (any torch device)
+
+
+def write_teacher(generator: Generator, out: Path) -> None:
+    """The teacher as `train` reads it: plain (folded) weights in fp16 and its config."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    sd = generator.remove_weight_norm().state_dict()
+    save_file({k: v.half().contiguous() for k, v in sd.items()}, str(out / TEACHER))
+    (out / TEACHER_CONFIG).write_text(json.dumps(generator.config.to_dict(), indent=1))
+
+
+def load_teacher(data: Path, device: torch.device) -> Generator:
+    from safetensors.torch import load_file
+
+    teacher = Generator(HifiGanConfig.from_json(data / TEACHER_CONFIG)).remove_weight_norm()
+    teacher.load_state_dict({k: v.float() for k, v in load_file(str(data / TEACHER)).items()})
+    return teacher.eval().to(device)
+
+
+def student_config(teacher: HifiGanConfig, width: int) -> HifiGanConfig:
+    return dataclasses.replace(teacher, upsample_initial_channel=width)
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel RMS over batch and time of `[B, C, T]`."""
+    return x.float().square().mean(dim=(0, 2)).sqrt()
+
+
+class _Recorder(Offline):
+    """Runs the layers offline and keeps each channel's RMS at the outputs pruning ranks: the
+    residual streams' producers and each unit's inner channels (after their leaky ReLU)."""
+
+    def __init__(self, generator: Generator):
+        self.names = {
+            id(m): name
+            for name, m in generator.named_modules()
+            if name == "conv_pre" or name.startswith("ups.") or ".convs1." in name
+        }
+        self.acts: dict[str, list[torch.Tensor]] = {}
+
+    def _keep(self, layer: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+        name = self.names.get(id(layer))
+        if name is not None:
+            a = F.leaky_relu(y, LRELU_SLOPE) if ".convs1." in name else y
+            self.acts.setdefault(name, []).append(_rms(a))
+        return y
+
+    def conv(self, layer, x, slope=None):
+        return self._keep(layer, super().conv(layer, x, slope))
+
+    def conv_transpose(self, layer, x, slope=None):
+        return self._keep(layer, super().conv_transpose(layer, x, slope))
+
+
+@torch.no_grad()
+def prune_init(teacher: Generator, student: Generator, mels: list[torch.Tensor]) -> None:
+    """Start the student from the teacher's most used channels: each channel set (a stage's
+    residual stream, a residual unit's inner channels) keeps the channels with the largest
+    activation RMS on `mels` times the norm of the weights that read them. Both are "1"-block
+    generators with plain (folded) weights and the same layout."""
+    if teacher.config.resblock != "1" or student.config.resblock != "1":
+        raise ValueError("prune_init takes generators of resblock '1' (HiFi-GAN V1/V2 layout)")
+    recorder = _Recorder(teacher)
+    for mel in mels:
+        teacher(mel[None], recorder)
+    rms = {name: torch.stack(v).mean(0) for name, v in recorder.acts.items()}
+    t = dict(teacher.named_modules())
+    s = dict(student.named_modules())
+    stages = len(teacher.ups)
+
+    def top(score: torch.Tensor, n: int) -> torch.Tensor:
+        return score.topk(n).indices.sort().values
+
+    # residual streams: conv_pre's outputs, then each upsampler's outputs
+    streams = []
+    for i in range(stages + 1):
+        producer = "conv_pre" if i == 0 else f"ups.{i - 1}"
+        if i < stages:  # read by the next upsampler ([in, out, k])
+            reads = t[f"ups.{i}"].weight.flatten(1).norm(dim=1)
+        else:  # read by conv_post ([out, in, k])
+            reads = t["conv_post"].weight.transpose(0, 1).flatten(1).norm(dim=1)
+        width = s[producer].weight.shape[0 if i == 0 else 1]
+        streams.append(top(rms[producer] * reads, width))
+    stw = dict(student.named_parameters())
+    stw["conv_pre.weight"].copy_(t["conv_pre"].weight[streams[0]])
+    stw["conv_pre.bias"].copy_(t["conv_pre"].bias[streams[0]])
+    for i in range(stages):
+        w = t[f"ups.{i}"].weight[streams[i]][:, streams[i + 1]]
+        stw[f"ups.{i}.weight"].copy_(w)
+        stw[f"ups.{i}.bias"].copy_(t[f"ups.{i}"].bias[streams[i + 1]])
+    per_stage = len(teacher.resblocks) // stages
+    for j, block in enumerate(teacher.resblocks):
+        keep = streams[j // per_stage + 1]
+        for m, (c1, c2) in enumerate(zip(block.convs1, block.convs2)):
+            name = f"resblocks.{j}.convs1.{m}"
+            reads = c2.weight.transpose(0, 1).flatten(1).norm(dim=1)
+            inner = top(rms[name] * reads, s[name].weight.shape[0])
+            stw[f"{name}.weight"].copy_(c1.weight[inner][:, keep])
+            stw[f"{name}.bias"].copy_(c1.bias[inner])
+            stw[f"resblocks.{j}.convs2.{m}.weight"].copy_(c2.weight[keep][:, inner])
+            stw[f"resblocks.{j}.convs2.{m}.bias"].copy_(c2.bias[keep])
+    stw["conv_post.weight"].copy_(t["conv_post"].weight[:, streams[-1]])
+    stw["conv_post.bias"].copy_(t["conv_post"].bias)
+
+
+class SpectralLoss:
+    """HiFi-GAN's full-band log-mel L1 plus multi-resolution STFT (spectral convergence and log
+    magnitude) on `[B, samples]` fp32 waveforms."""
+
+    def __init__(self, config: HifiGanConfig, device: torch.device):
+        self.config = config
+        self.basis = torch.from_numpy(
+            mel_filterbank(config.sampling_rate, config.n_fft, config.num_mels, config.fmin, None)
+        ).to(device)
+        sizes = {config.n_fft, *(n for n, _ in STFT_RESOLUTIONS)}
+        self.windows = {n: torch.hann_window(n, device=device) for n in sizes}
+
+    def _mag(self, x: torch.Tensor, n_fft: int, hop: int) -> torch.Tensor:
+        spec = torch.stft(x, n_fft, hop, n_fft, self.windows[n_fft], return_complex=True)
+        return torch.sqrt(spec.real.square() + spec.imag.square() + 1e-9)
+
+    def log_mel(self, x: torch.Tensor) -> torch.Tensor:
+        mag = self._mag(x, self.config.n_fft, self.config.hop_size)
+        return torch.log(torch.clamp(self.basis @ mag, min=1e-5))
+
+    def __call__(self, y: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = {"mel": F.l1_loss(self.log_mel(y), self.log_mel(target))}
+        stft = y.new_zeros(())
+        for n_fft, hop in STFT_RESOLUTIONS:
+            a, b = self._mag(y, n_fft, hop), self._mag(target, n_fft, hop)
+            stft = stft + torch.linalg.norm(b - a) / torch.linalg.norm(b).clamp(min=1e-6)
+            stft = stft + F.l1_loss(torch.log(a), torch.log(b))
+        parts["stft"] = stft / len(STFT_RESOLUTIONS)
+        parts["wave"] = F.l1_loss(y, target)
+        parts["total"] = (
+            MEL_WEIGHT * parts["mel"] + STFT_WEIGHT * parts["stft"] + WAVE_WEIGHT * parts["wave"]
+        )
+        return parts
+
+
+@torch.no_grad()
+def held_out(student: Generator, loss: SpectralLoss, mels, targets) -> dict[str, float]:
+    """Whole held-out utterances, offline, fp32: mel L1 and SNR against the teacher's audio."""
+    student.eval()
+    l1, signal, noise = 0.0, 0.0, 0.0
+    for mel, target in zip(mels, targets):
+        y = student(mel[None])[0, 0].float()
+        l1 += F.l1_loss(loss.log_mel(y[None]), loss.log_mel(target[None])).item()
+        signal += target.square().sum().item()
+        noise += (y - target).square().sum().item()
+    student.train()
+    return {"mel_l1": l1 / len(mels), "snr_db": 10 * math.log10(signal / max(noise, 1e-12))}
+
+
+def save_student(student: Generator, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (STUDENT + ".tmp")
+    save_file(
+        {k: v.detach().float().contiguous().cpu() for k, v in student.state_dict().items()},
+        str(tmp),
+    )
+    os.replace(tmp, out / STUDENT)
+    (out / "config.json").write_text(json.dumps(student.config.to_dict(), indent=1) + "\n")
+
+
+def train(args: argparse.Namespace) -> None:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    teacher = load_teacher(args.data, device)
+    decoder = load_token_decoder(args.voice / "vocoder")
+    if decoder is None:
+        raise SystemExit(f"{args.voice} has no token decoder")
+    decoder = decoder.to(device)
+    npz = np.load(args.data / CODES)
+    bounds = np.concatenate([[0], np.cumsum(npz["lengths"])])
+    order = list(range(len(npz["lengths"])))
+    rng.shuffle(order)
+    order = order[: args.limit]
+    codes = torch.from_numpy(npz["codes"].astype(np.int64)).to(device)
+    mels, targets = [], []
+    with torch.inference_mode():
+        for k in order:
+            mel = decoder(codes[bounds[k] : bounds[k + 1]][None])[0]
+            mels.append(mel)
+            targets.append(teacher(mel[None])[0, 0])
+    mels = [m.clone() for m in mels]
+    targets = [t.clone() for t in targets]
+    n_val = max(2, len(mels) // 100)
+    val = (mels[:n_val], targets[:n_val])
+    mels, targets = mels[n_val:], targets[n_val:]
+    hop = teacher.hop_size
+    _log(
+        f"{len(mels)} training and {n_val} held-out utterances, "
+        f"{sum(m.shape[-1] for m in mels) * hop / 22050 / 3600:.2f} h; teacher audio in "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+
+    config = student_config(teacher.config, args.width)
+    student = Generator(config).remove_weight_norm().to(device)
+    prune_init(teacher, student, mels[:16])
+    del teacher
+    student.train()
+    loss_fn = SpectralLoss(config, device)
+    context = max(config.receptive_field) + 2
+    seg, window = args.segment, args.segment + 2 * context
+    usable = [k for k, m in enumerate(mels) if m.shape[-1] >= window]
+    weights = [mels[k].shape[-1] - args.segment for k in usable]
+    torch.backends.cudnn.benchmark = True  # every step has the same shapes (not so above)
+    opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.8, 0.99), weight_decay=0.0)
+    budget = args.minutes * 60
+    log = args.out / "log.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    first = held_out(student, loss_fn, *val)
+    first.update(step=0, seconds=0.0)
+    log.write_text(json.dumps(first) + "\n")
+    _log(
+        f"width {args.width}: {sum(p.numel() for p in student.parameters()) / 1e6:.2f} M params, pruned start {first}"
+    )
+    autocast = device.type == "cuda"
+    t0, step, next_save, running = time.perf_counter(), 0, args.save_every, []
+    while (elapsed := time.perf_counter() - t0) < budget:
+        for group in opt.param_groups:  # cosine over the time budget
+            group["lr"] = args.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
+        xs, ys = [], []
+        for k in rng.choices(usable, weights=weights, k=args.batch):
+            frames = mels[k].shape[-1]
+            s = rng.randrange(0, frames - seg + 1)
+            w = min(max(s - context, 0), frames - window)  # at an utterance's edge the crop
+            xs.append(mels[k][:, w : w + window])  # starts or ends there, as the teacher's did
+            ys.append(targets[k][s * hop : (s + seg) * hop])
+            ys[-1] = (ys[-1], (s - w) * hop)
+        x = torch.stack(xs)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = student(x)[:, 0]
+        y = torch.stack([out[i, off : off + seg * hop] for i, (_, off) in enumerate(ys)]).float()
+        target = torch.stack([t for t, _ in ys])
+        parts = loss_fn(y, target)
+        opt.zero_grad(set_to_none=True)
+        parts["total"].backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 10.0)
+        opt.step()
+        step += 1
+        running.append(parts["total"].detach())
+        if elapsed >= next_save or step == 1:
+            row = held_out(student, loss_fn, *val)
+            row.update(
+                step=step,
+                seconds=round(elapsed, 1),
+                train_loss=torch.stack(running).mean().item(),
+                lr=opt.param_groups[0]["lr"],
+            )
+            running = []
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            _log(f"width {args.width}: {row}")
+            save_student(student, args.out)
+            next_save += args.save_every
+    row = held_out(student, loss_fn, *val)
+    row.update(step=step, seconds=round(time.perf_counter() - t0, 1), final=True)
+    with log.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    save_student(student, args.out)
+    _log(f"width {args.width}: done {row}")
+
+
+# ---------------------------------------------------------------- export
+
+
+def export(student: Path, voice: Path) -> None:
+    """Put a trained student into the voice as its own generator (fp16 weights)."""
+    from safetensors.torch import load_file, save_file
+
+    from vocoder_service.checkpoint import load_generator, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(student)
+    load_generator(checkpoint)  # fails loudly when the weights do not fit the config
+    target = voice / "vocoder"
+    sd = load_file(str(checkpoint.path))
+    save_file({k: v.half().contiguous() for k, v in sd.items()}, str(target / STUDENT))
+    shutil.copyfile(student / "config.json", target / "config.json")
+    _log(f"{checkpoint.path} -> {target / STUDENT}")
+
+
+def main() -> None:
+    from recipes.default_voice.config import RecipeConfig
+
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="teacher mels -> codes, and the teacher's weights")
+    prep.add_argument("--cache", type=Path, default=RecipeConfig.cache)
+    prep.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
+    prep.add_argument("--en", type=int, default=4000, help="English training sentences")
+    prep.add_argument("--zh", type=int, default=1000, help="Mandarin training sentences")
+    prep.add_argument("--workers", type=int, default=2)
+    tr = sub.add_parser("train", help="distil a narrower generator")
+    tr.add_argument("--data", type=Path, default=RecipeConfig.cache / "distill")
+    tr.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
+    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--width", type=int, default=256, help="upsample_initial_channel (V1: 512)")
+    tr.add_argument("--minutes", type=float, default=7.0, help="training wall-clock budget")
+    tr.add_argument("--batch", type=int, default=32)
+    tr.add_argument("--segment", type=int, default=32, help="mel frames per example")
+    tr.add_argument("--lr", type=float, default=5e-4)
+    tr.add_argument("--seed", type=int, default=1234)
+    tr.add_argument("--limit", type=int, default=None, help="use only this many utterances")
+    tr.add_argument("--device", default=None)
+    tr.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
+    ex = sub.add_parser("export", help="install a student as the voice's generator")
+    ex.add_argument("--student", type=Path, required=True)
+    ex.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
+    args = p.parse_args()
+    if args.command == "prepare":
+        prepare(args.cache, args.voice, args.en, args.zh, args.workers)
+    elif args.command == "train":
+        train(args)
+    else:
+        export(args.student, args.voice)
+
+
+if __name__ == "__main__":
+    main()

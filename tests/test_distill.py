@@ -1,0 +1,150 @@
+"""The distilled generator's recipe: pruned start, losses, a short training run, export."""
+
+import dataclasses
+import json
+import shutil
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.default_voice.distill import (
+    SpectralLoss,
+    export,
+    prune_init,
+    student_config,
+    train,
+    write_teacher,
+)
+from vocoder_service.checkpoint import load_generator, resolve_checkpoint
+from vocoder_service.hifigan import Generator, HifiGanConfig
+from vocoder_service.voice import load_voice
+
+ROOT = Path(__file__).resolve().parents[1]
+VOICE = ROOT / "voices" / "default"
+TINY = HifiGanConfig(
+    resblock="1",
+    upsample_rates=(8, 8, 2, 2),
+    upsample_kernel_sizes=(16, 16, 4, 4),
+    upsample_initial_channel=32,
+    resblock_kernel_sizes=(3, 7, 11),
+    resblock_dilation_sizes=((1, 3, 5),) * 3,
+)
+
+
+def _teacher(seed: int = 0) -> Generator:
+    torch.manual_seed(seed)
+    return Generator(TINY).remove_weight_norm().eval()
+
+
+def _mels(n: int = 3, frames: int = 40) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(80, frames, generator=g) - 5 for _ in range(n)]
+
+
+def test_pruning_at_full_width_is_the_teacher():
+    teacher = _teacher()
+    student = Generator(student_config(TINY, 32)).remove_weight_norm().eval()
+    prune_init(teacher, student, _mels())
+    mel = _mels(1, 50)[0][None]
+    with torch.no_grad():
+        assert torch.equal(student(mel), teacher(mel))
+
+
+def test_pruning_keeps_whole_teacher_channels():
+    teacher = _teacher()
+    student = Generator(student_config(TINY, 16)).remove_weight_norm().eval()
+    prune_init(teacher, student, _mels())
+    t, s = dict(teacher.named_parameters()), dict(student.named_parameters())
+    for name, w in s.items():
+        assert w.shape != t[name].shape or name.endswith("conv_post.bias"), name
+    # every kept output of conv_pre is one of the teacher's rows, bias and all, none twice
+    rows = [
+        int((t["conv_pre.weight"] == row).all(dim=(1, 2)).nonzero()) for row in s["conv_pre.weight"]
+    ]
+    assert len(set(rows)) == 16 and rows == sorted(rows)
+    assert torch.equal(s["conv_pre.bias"], t["conv_pre.bias"][rows])
+    # the first upsampler reads exactly those channels and writes a subset of its own
+    t_up, s_up = t["ups.0.weight"], s["ups.0.weight"]
+    cols = [int((t_up[rows[0]] == s_up[0, j]).all(dim=1).nonzero()) for j in range(s_up.shape[1])]
+    assert torch.equal(s_up, t_up[rows][:, cols])
+
+
+def test_pruning_refuses_the_v3_block():
+    v3 = dataclasses.replace(
+        TINY,
+        resblock="2",
+        upsample_rates=(8, 8, 4),
+        upsample_kernel_sizes=(16, 16, 8),
+        resblock_kernel_sizes=(3, 5, 7),
+        resblock_dilation_sizes=((1, 2), (2, 6), (3, 12)),
+    )
+    g = Generator(v3).remove_weight_norm()
+    with pytest.raises(ValueError, match="resblock '1'"):
+        prune_init(g, g, _mels(1))
+
+
+def test_spectral_loss_is_zero_only_at_the_target():
+    loss = SpectralLoss(TINY, torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    target = 0.1 * torch.randn(2, 8192, generator=g)
+    same = loss(target.clone(), target)
+    assert all(v.item() == pytest.approx(0.0, abs=1e-5) for v in same.values())
+    y = (target + 0.01 * torch.randn(2, 8192, generator=g)).requires_grad_()
+    parts = loss(y, target)
+    assert all(v.item() > 0 for v in parts.values())
+    parts["total"].backward()
+    assert y.grad is not None and y.grad.abs().sum() > 0
+
+
+def _data(folder: Path, utterances: int = 6) -> Path:
+    write_teacher(_teacher(), folder)
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(40, 60, size=utterances).astype(np.int32)
+    np.savez(
+        folder / "codes.npz",
+        codes=rng.integers(0, 1024, size=int(lengths.sum())).astype(np.int16),
+        lengths=lengths,
+        langs=np.array(["en"] * utterances),
+    )
+    return folder
+
+
+def test_training_writes_a_student_the_voice_loads(tmp_path):
+    data = _data(tmp_path / "data")
+    out = tmp_path / "student"
+    args = Namespace(
+        data=data,
+        voice=VOICE,
+        out=out,
+        width=16,
+        minutes=0.002,
+        batch=2,
+        segment=8,
+        lr=5e-4,
+        seed=0,
+        limit=None,
+        device="cpu",
+        save_every=60.0,
+    )
+    train(args)
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[-1]["final"] and rows[-1]["step"] >= 1
+    assert all(np.isfinite(r["mel_l1"]) and np.isfinite(r["snr_db"]) for r in rows)
+    student = load_generator(resolve_checkpoint(out))
+    assert student.config.upsample_initial_channel == 16
+    assert student.config.upsample_rates == TINY.upsample_rates
+
+    voice = tmp_path / "voice"
+    shutil.copytree(VOICE, voice, ignore=shutil.ignore_patterns("*.wav", "*.png"))
+    assert load_voice(voice).config.upsample_initial_channel == 512  # the universal V1
+    export(out, voice)
+    loaded = load_voice(voice)
+    assert loaded.config.upsample_initial_channel == 16
+    mel = torch.randn(1, 80, 30) - 5
+    with torch.no_grad():
+        want = student(mel)
+        got = load_generator(loaded.generator)(mel)
+    assert (got - want).abs().max() < 1e-2  # fp16 weights in the bundle
