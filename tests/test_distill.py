@@ -10,6 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from recipes.default_voice.discriminators import (
+    PERIODS,
+    Discriminators,
+    discriminator_loss,
+    feature_matching,
+    generator_loss,
+)
 from recipes.default_voice.distill import (
     SpectralLoss,
     export,
@@ -112,10 +119,8 @@ def _data(folder: Path, utterances: int = 6) -> Path:
     return folder
 
 
-def test_training_writes_a_student_the_voice_loads(tmp_path):
-    data = _data(tmp_path / "data")
-    out = tmp_path / "student"
-    args = Namespace(
+def _args(data: Path, out: Path, **kw) -> Namespace:
+    args = dict(
         data=data,
         voice=VOICE,
         out=out,
@@ -128,11 +133,25 @@ def test_training_writes_a_student_the_voice_loads(tmp_path):
         limit=None,
         device="cpu",
         save_every=60.0,
+        adversarial_from=1.0,
+        init=None,
     )
-    train(args)
-    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    args.update(kw)
+    return Namespace(**args)
+
+
+def _log_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_training_writes_a_student_the_voice_loads(tmp_path):
+    data = _data(tmp_path / "data")
+    out = tmp_path / "student"
+    train(_args(data, out))
+    rows = _log_rows(out)
     assert rows[0]["step"] == 0 and rows[-1]["final"] and rows[-1]["step"] >= 1
     assert all(np.isfinite(r["mel_l1"]) and np.isfinite(r["snr_db"]) for r in rows)
+    assert "train_adv" not in rows[1]  # regression only
     student = load_generator(resolve_checkpoint(out))
     assert student.config.upsample_initial_channel == 16
     assert student.config.upsample_rates == TINY.upsample_rates
@@ -148,3 +167,34 @@ def test_training_writes_a_student_the_voice_loads(tmp_path):
         want = student(mel)
         got = load_generator(loaded.generator)(mel)
     assert (got - want).abs().max() < 1e-2  # fp16 weights in the bundle
+
+
+def test_adversarial_stage_from_a_saved_student(tmp_path):
+    data = _data(tmp_path / "data")
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(_args(data, first))
+    start = load_generator(resolve_checkpoint(first))
+    train(_args(data, second, init=first, adversarial_from=0.0, segment=16))
+    rows = _log_rows(second)
+    assert rows[0]["mel_l1"] == pytest.approx(_log_rows(first)[-1]["mel_l1"], rel=1e-5)
+    trained = [r for r in rows if "train_adv" in r]
+    assert trained and all(r["train_disc"] > 0 and r["train_fm"] > 0 for r in trained)
+    after = load_generator(resolve_checkpoint(second))
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), after.parameters()))
+    with pytest.raises(SystemExit, match="width-32"):
+        train(_args(data, tmp_path / "third", init=first, width=32))
+
+
+def test_discriminators_score_every_layer():
+    torch.manual_seed(0)
+    d = Discriminators()
+    audio = 0.1 * torch.randn(2, 1, 4100)  # not a multiple of any period
+    scores, maps = d(audio)
+    assert len(scores) == len(PERIODS) + 3 and len(maps) == len(scores)
+    assert all(s.shape[0] == 2 and s.ndim == 2 for s in scores)
+    assert [len(m) for m in maps] == [6] * len(PERIODS) + [8] * 3
+    ones, zeros = [torch.ones(2, 5)], [torch.zeros(2, 5)]
+    assert discriminator_loss(ones, zeros).item() == 0.0
+    assert discriminator_loss(zeros, ones).item() == 2.0
+    assert generator_loss(ones).item() == 0.0 and generator_loss(zeros).item() == 1.0
+    assert feature_matching(maps, maps).item() == 0.0

@@ -2,9 +2,11 @@
 
 The student is the same network at a narrower width (`--width 128` is HiFi-GAN V2's shape, 256
 halfway between V2 and V1: a quarter of V1's multiplies). It learns to reproduce the teacher's
-waveform, which is a deterministic function of the mel, so plain regression suffices: no
-discriminator. Its inputs are the mels the service feeds it: the voice's speech tokens (the
-teacher audio's nearest codebook rows) through the voice's token decoder.
+waveform, which is a deterministic function of the mel: first by regression alone, then (after
+`--adversarial-from` of the budget) with HiFi-GAN's discriminators as well, since regression
+alone left the audio intelligible but noisy (`bench/README.md`). Its inputs are the mels the
+service feeds it: the voice's speech tokens (the teacher audio's nearest codebook rows) through
+the voice's token decoder.
 
     python -m recipes.default_voice.distill prepare [--en 4000 --zh 1000]   # CPU, ~3 min
     python -m recipes.default_voice.distill train --width 256 --minutes 7 --out DIR   # a GPU
@@ -14,7 +16,7 @@ teacher audio's nearest codebook rows) through the voice's token decoder.
 `<cache>/distill/`; `train` needs only that folder, the voice and torch, so it runs on a machine
 without the recipe's system tools. Every minute `train` writes the student and a line of its
 held-out figures against the teacher (`log.jsonl`). Judge the exported voice with
-`python -m recipes.default_voice.vocoder_precision --student`, by WER and DNSMOS.
+`python -m recipes.default_voice.vocoder_precision --compare-universal`, by WER and DNSMOS.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from recipes.default_voice.discriminators import (
+    Discriminators,
+    discriminator_loss,
+    feature_matching,
+    generator_loss,
+)
+from vocoder_service.checkpoint import load_generator, resolve_checkpoint
 from vocoder_service.hifigan import LRELU_SLOPE, Generator, HifiGanConfig, Offline
 from vocoder_service.mel import mel_filterbank
 from vocoder_service.token_decoder import load_token_decoder
@@ -47,6 +56,7 @@ STUDENT = "generator.safetensors"
 # loss weights: HiFi-GAN's mel term, a multi-resolution STFT term and the waveform itself (the
 # teacher's phase is a function of its input, so the student can and should follow it)
 MEL_WEIGHT, STFT_WEIGHT, WAVE_WEIGHT = 45.0, 1.0, 10.0
+FM_WEIGHT = 2.0  # the adversarial stage's feature matching, as HiFi-GAN weighs it
 STFT_RESOLUTIONS = ((512, 128), (1024, 256), (2048, 512))
 
 
@@ -82,7 +92,6 @@ def prepare(cache: Path, voice: Path, en: int, zh: int, workers: int) -> Path:
     from recipes.default_voice.config import RecipeConfig
     from recipes.default_voice.data import sentences
     from recipes.default_voice.tokens import assign, stacked
-    from vocoder_service.checkpoint import load_generator, resolve_checkpoint
 
     out = cache / "distill"
     out.mkdir(parents=True, exist_ok=True)
@@ -286,6 +295,35 @@ def save_student(student: Generator, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(student.config.to_dict(), indent=1) + "\n")
 
 
+class Crops:
+    """Random training examples: `segment` frames of an utterance's mel with `context` frames on
+    each side (so the student's output there is what offline synthesis gives), and the teacher's
+    audio of the segment. At an utterance's edge the crop starts or ends there, as the teacher's
+    input did; utterances shorter than a crop are left out."""
+
+    def __init__(self, mels, targets, segment: int, context: int, hop: int, rng: random.Random):
+        self.mels, self.targets, self.rng = mels, targets, rng
+        self.segment, self.hop, self.window = segment, hop, segment + 2 * context
+        self.context = context
+        self.usable = [k for k, m in enumerate(mels) if m.shape[-1] >= self.window]
+        if not self.usable:
+            raise SystemExit(f"no utterance has the {self.window} frames a crop needs")
+        self.weights = [mels[k].shape[-1] - segment for k in self.usable]
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(mel crops `[B, mels, window]`, teacher audio `[B, segment * hop]`, where each
+        segment's audio starts in its crop's output)."""
+        xs, ys, offsets = [], [], []
+        for k in self.rng.choices(self.usable, weights=self.weights, k=size):
+            frames = self.mels[k].shape[-1]
+            s = self.rng.randrange(0, frames - self.segment + 1)
+            w = min(max(s - self.context, 0), frames - self.window)
+            xs.append(self.mels[k][:, w : w + self.window])
+            ys.append(self.targets[k][s * self.hop : (s + self.segment) * self.hop])
+            offsets.append((s - w) * self.hop)
+        return torch.stack(xs), torch.stack(ys), offsets
+
+
 def train(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
@@ -321,60 +359,76 @@ def train(args: argparse.Namespace) -> None:
     )
 
     config = student_config(teacher.config, args.width)
-    student = Generator(config).remove_weight_norm().to(device)
-    prune_init(teacher, student, mels[:16])
+    if args.init is not None:  # carry on from an earlier run's student
+        student = load_generator(resolve_checkpoint(args.init), device=device)
+        if student.config != config:
+            raise SystemExit(f"{args.init} is not a width-{args.width} student of this teacher")
+    else:
+        student = Generator(config).remove_weight_norm().to(device)
+        prune_init(teacher, student, mels[:16])
     del teacher
     student.train()
     loss_fn = SpectralLoss(config, device)
-    context = max(config.receptive_field) + 2
-    seg, window = args.segment, args.segment + 2 * context
-    usable = [k for k, m in enumerate(mels) if m.shape[-1] >= window]
-    weights = [mels[k].shape[-1] - args.segment for k in usable]
+    crops = Crops(mels, targets, args.segment, max(config.receptive_field) + 2, hop, rng)
     torch.backends.cudnn.benchmark = True  # every step has the same shapes (not so above)
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.8, 0.99), weight_decay=0.0)
+    discriminators: Discriminators | None = None
+    opt_d: torch.optim.Optimizer | None = None
     budget = args.minutes * 60
     log = args.out / "log.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
     first = held_out(student, loss_fn, *val)
     first.update(step=0, seconds=0.0)
     log.write_text(json.dumps(first) + "\n")
-    _log(
-        f"width {args.width}: {sum(p.numel() for p in student.parameters()) / 1e6:.2f} M params, pruned start {first}"
-    )
+    params = sum(p.numel() for p in student.parameters()) / 1e6
+    _log(f"width {args.width}: {params:.2f} M params, at the start {first}")
     autocast = device.type == "cuda"
-    t0, step, next_save, running = time.perf_counter(), 0, args.save_every, []
+    t0, step, next_save = time.perf_counter(), 0, args.save_every
+    running: dict[str, list[torch.Tensor]] = {}
     while (elapsed := time.perf_counter() - t0) < budget:
-        for group in opt.param_groups:  # cosine over the time budget
-            group["lr"] = args.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
-        xs, ys = [], []
-        for k in rng.choices(usable, weights=weights, k=args.batch):
-            frames = mels[k].shape[-1]
-            s = rng.randrange(0, frames - seg + 1)
-            w = min(max(s - context, 0), frames - window)  # at an utterance's edge the crop
-            xs.append(mels[k][:, w : w + window])  # starts or ends there, as the teacher's did
-            ys.append(targets[k][s * hop : (s + seg) * hop])
-            ys[-1] = (ys[-1], (s - w) * hop)
-        x = torch.stack(xs)
+        lr = args.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
+        for o in (opt, opt_d):  # cosine over the time budget
+            for group in o.param_groups if o is not None else ():
+                group["lr"] = lr
+        x, target, offsets = crops.batch(args.batch)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             out = student(x)[:, 0]
-        y = torch.stack([out[i, off : off + seg * hop] for i, (_, off) in enumerate(ys)]).float()
-        target = torch.stack([t for t, _ in ys])
+        n = target.shape[-1]
+        y = torch.stack([out[i, off : off + n] for i, off in enumerate(offsets)]).float()
         parts = loss_fn(y, target)
+        total = parts["total"]
+        if elapsed >= args.adversarial_from * budget:
+            if discriminators is None:
+                discriminators = Discriminators().to(device)
+                opt_d = torch.optim.AdamW(
+                    discriminators.parameters(), lr=lr, betas=(0.8, 0.99), weight_decay=0.0
+                )
+                _log(f"width {args.width}: adversarial stage from step {step}")
+            assert opt_d is not None
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                real_scores, real_maps = discriminators(target[:, None])
+                fake_scores, _ = discriminators(y.detach()[:, None])
+            parts["disc"] = discriminator_loss(real_scores, fake_scores)
+            opt_d.zero_grad(set_to_none=True)
+            parts["disc"].backward()
+            opt_d.step()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                fake_scores, fake_maps = discriminators(y[:, None])
+            parts["adv"] = generator_loss(fake_scores)
+            parts["fm"] = feature_matching(real_maps, fake_maps)
+            total = total + parts["adv"] + FM_WEIGHT * parts["fm"]
         opt.zero_grad(set_to_none=True)
-        parts["total"].backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 10.0)
         opt.step()
         step += 1
-        running.append(parts["total"].detach())
+        for name, value in parts.items():
+            running.setdefault(name, []).append(value.detach())
         if elapsed >= next_save or step == 1:
             row = held_out(student, loss_fn, *val)
-            row.update(
-                step=step,
-                seconds=round(elapsed, 1),
-                train_loss=torch.stack(running).mean().item(),
-                lr=opt.param_groups[0]["lr"],
-            )
-            running = []
+            row.update(step=step, seconds=round(elapsed, 1), lr=lr)
+            row.update({f"train_{k}": torch.stack(v).mean().item() for k, v in running.items()})
+            running = {}
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             _log(f"width {args.width}: {row}")
@@ -394,8 +448,6 @@ def train(args: argparse.Namespace) -> None:
 def export(student: Path, voice: Path) -> None:
     """Put a trained student into the voice as its own generator (fp16 weights)."""
     from safetensors.torch import load_file, save_file
-
-    from vocoder_service.checkpoint import load_generator, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(student)
     load_generator(checkpoint)  # fails loudly when the weights do not fit the config
@@ -431,6 +483,13 @@ def main() -> None:
     tr.add_argument("--seed", type=int, default=1234)
     tr.add_argument("--limit", type=int, default=None, help="use only this many utterances")
     tr.add_argument("--device", default=None)
+    tr.add_argument(
+        "--adversarial-from",
+        type=float,
+        default=0.25,
+        help="fraction of the budget after which HiFi-GAN's discriminators join (1: never)",
+    )
+    tr.add_argument("--init", type=Path, default=None, help="start from this saved student")
     tr.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
     ex = sub.add_parser("export", help="install a student as the voice's generator")
     ex.add_argument("--student", type=Path, required=True)
