@@ -20,6 +20,19 @@ Scores = list[torch.Tensor]
 FeatureMaps = list[list[torch.Tensor]]
 
 
+def _scored(
+    convs: nn.ModuleList, post: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A conv stack with leaky ReLUs, then its score layer: (scores `[B, -1]`, feature maps)."""
+    maps = []
+    for conv in convs:
+        x = F.leaky_relu(conv(x), SLOPE)
+        maps.append(x)
+    x = post(x)
+    maps.append(x)
+    return x.flatten(1), maps
+
+
 class PeriodDiscriminator(nn.Module):
     def __init__(self, period: int):
         super().__init__()
@@ -36,14 +49,7 @@ class PeriodDiscriminator(nn.Module):
         b, c, t = x.shape
         if t % self.period:
             x = F.pad(x, (0, self.period - t % self.period), mode="reflect")
-        x = x.view(b, c, -1, self.period)
-        maps = []
-        for conv in self.convs:
-            x = F.leaky_relu(conv(x), SLOPE)
-            maps.append(x)
-        x = self.post(x)
-        maps.append(x)
-        return x.flatten(1), maps
+        return _scored(self.convs, self.post, x.view(b, c, -1, self.period))
 
 
 class ScaleDiscriminator(nn.Module):
@@ -68,13 +74,7 @@ class ScaleDiscriminator(nn.Module):
         self.post = norm(nn.Conv1d(1024, 1, 3, 1, padding=1))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        maps = []
-        for conv in self.convs:
-            x = F.leaky_relu(conv(x), SLOPE)
-            maps.append(x)
-        x = self.post(x)
-        maps.append(x)
-        return x.flatten(1), maps
+        return _scored(self.convs, self.post, x)
 
 
 class Discriminators(nn.Module):
