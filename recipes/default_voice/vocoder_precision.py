@@ -23,6 +23,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +79,80 @@ def streamed(backend, mel: np.ndarray, chunk: int = 32) -> np.ndarray:
     return np.concatenate(pieces)
 
 
+def held_out_mels(voice_dir: Path, count: int, seed: int) -> tuple[list[str], list[np.ndarray]]:
+    """The natural held-out sentences and the mels the service would vocode for them: the
+    deployed decoding once (espeak-ng phonemes, the voice's LM, greedy), then the voice's token
+    decoder. Mels are `[1, num_mels, frames]` float32."""
+    from vocoder_service.token_decoder import load_token_decoder
+
+    cfg = dataclasses.replace(RecipeConfig(), threads=1)
+    texts = english_held_out(count, seed=seed)
+    phonemes = [espeak_phonemes(t, ESPEAK_VOICES["en"]) for t in texts]
+    decoding = next(c for c in CANDIDATES if c.name == DEPLOYED)
+    started = time.perf_counter()
+    streams = decode(
+        cfg,
+        voice_dir / "lm",
+        phonemes,
+        decoding,
+        predictor=voice_dir / "durations" / "duration_predictor.safetensors",
+    )
+    _log(f"decoded {len(texts)} sentences in {time.perf_counter() - started:.0f} s")
+    decoder = load_token_decoder(voice_dir / "vocoder")
+    if decoder is None:
+        raise SystemExit(f"{voice_dir} has no token decoder")
+    mels = []
+    for stream in streams:
+        codes = split_stream(stream)[1] or [0, 0]
+        mels.append(decoder.decode(np.asarray(codes, dtype=np.int64))[None].astype(np.float32))
+    return texts, mels
+
+
+def score(
+    vocoders: dict[str, Callable[[np.ndarray], np.ndarray]],
+    texts: list[str],
+    mels: list[np.ndarray],
+) -> dict:
+    """Each vocoder (mel -> waveform) on every sentence, in rotating order: WER, mean DNSMOS and
+    its CPU seconds per audio second."""
+    audio_s = sum(m.shape[-1] for m in mels) * 256 / 22050
+    with tempfile.TemporaryDirectory() as tmp:
+        arpa = Path(tmp) / "held_out.arpa"
+        write_arpa(texts, arpa)
+        asr = Recognizer(arpa)
+        rows: dict[str, dict] = {
+            name: {"cpu_s": 0.0, "errors": 0, "words": 0, "dnsmos": []} for name in vocoders
+        }
+        for k, (text, mel) in enumerate(zip(texts, mels)):
+            order = list(vocoders)[k % len(vocoders) :] + list(vocoders)[: k % len(vocoders)]
+            for name in order:
+                cpu = time.process_time()
+                wav = vocoders[name](mel)
+                rows[name]["cpu_s"] += time.process_time() - cpu
+                a16 = to16k(wav)
+                errors, words = word_errors(text, asr(a16))
+                rows[name]["errors"] += errors
+                rows[name]["words"] += words
+                rows[name]["dnsmos"].append(dnsmos(a16))
+            if (k + 1) % 20 == 0:
+                _log(f"{k + 1}/{len(texts)} scored")
+    return {
+        "set": "en_natural (Debian fortunes)",
+        "sentences": len(texts),
+        "audio_s": round(audio_s, 1),
+        "decoding": DEPLOYED,
+        "pressure_cpu": Path("/proc/pressure/cpu").read_text().splitlines()[0],
+        "generators": {
+            name: {
+                "wer": r["errors"] / max(1, r["words"]),
+                "dnsmos": float(np.mean(r["dnsmos"])),
+                "cpu_s_per_audio_s": r["cpu_s"] / audio_s,
+            }
+            for name, r in rows.items()
+        },
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,62 +172,11 @@ def main() -> None:
 
     torch.set_num_threads(1)
     retain_freed_memory()
-    cfg = dataclasses.replace(RecipeConfig(), threads=1)
-    texts = english_held_out(args.count, seed=cfg.seed)
-    phonemes = [espeak_phonemes(t, ESPEAK_VOICES["en"]) for t in texts]
-    decoding = next(c for c in CANDIDATES if c.name == DEPLOYED)
-    started = time.perf_counter()
-    streams = decode(
-        cfg,
-        args.voice / "lm",
-        phonemes,
-        decoding,
-        predictor=args.voice / "durations" / "duration_predictor.safetensors",
-    )
-    _log(f"decoded {len(texts)} sentences in {time.perf_counter() - started:.0f} s")
+    cfg = RecipeConfig()
+    texts, mels = held_out_mels(args.voice, args.count, cfg.seed)
     tools = generators(args.voice, args.compare_universal)
-    decoder = tools.pop("voice").token_decoder
-    mels = []
-    for stream in streams:
-        codes = split_stream(stream)[1] or [0, 0]
-        mels.append(decoder.decode(np.asarray(codes, dtype=np.int64))[None].astype(np.float32))
-    audio_s = sum(m.shape[-1] for m in mels) * 256 / 22050
-
-    with tempfile.TemporaryDirectory() as tmp:
-        arpa = Path(tmp) / "held_out.arpa"
-        write_arpa(texts, arpa)
-        asr = Recognizer(arpa)
-        rows: dict[str, dict] = {
-            name: {"cpu_s": 0.0, "errors": 0, "words": 0, "dnsmos": []} for name in tools
-        }
-        for k, (text, mel) in enumerate(zip(texts, mels)):
-            order = list(tools)[k % len(tools) :] + list(tools)[: k % len(tools)]  # rotate
-            for name in order:
-                cpu = time.process_time()
-                wav = streamed(tools[name], mel)
-                rows[name]["cpu_s"] += time.process_time() - cpu
-                a16 = to16k(wav)
-                errors, words = word_errors(text, asr(a16))
-                rows[name]["errors"] += errors
-                rows[name]["words"] += words
-                rows[name]["dnsmos"].append(dnsmos(a16))
-            if (k + 1) % 20 == 0:
-                _log(f"{k + 1}/{len(texts)} scored")
-    result = {
-        "set": "en_natural (Debian fortunes)",
-        "sentences": len(texts),
-        "audio_s": round(audio_s, 1),
-        "decoding": DEPLOYED,
-        "pressure_cpu": Path("/proc/pressure/cpu").read_text().splitlines()[0],
-        "generators": {
-            name: {
-                "wer": r["errors"] / max(1, r["words"]),
-                "dnsmos": float(np.mean(r["dnsmos"])),
-                "cpu_s_per_audio_s": r["cpu_s"] / audio_s,
-            }
-            for name, r in rows.items()
-        },
-    }
+    tools.pop("voice")
+    result = score({n: partial(streamed, b) for n, b in tools.items()}, texts, mels)
     cfg.cache.mkdir(parents=True, exist_ok=True)  # the voice card's table (bundle.py)
     name = "vocoder_distilled.json" if args.compare_universal else "vocoder_precision.json"
     (cfg.cache / name).write_text(json.dumps(result, indent=1))
