@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -25,20 +27,14 @@ from recipes.default_voice.distill import (
     train,
     write_teacher,
 )
+from tests.test_hifigan import V1_TINY
 from vocoder_service.checkpoint import load_generator, resolve_checkpoint
 from vocoder_service.hifigan import Generator, HifiGanConfig
 from vocoder_service.voice import load_voice
 
 ROOT = Path(__file__).resolve().parents[1]
 VOICE = ROOT / "voices" / "default"
-TINY = HifiGanConfig(
-    resblock="1",
-    upsample_rates=(8, 8, 2, 2),
-    upsample_kernel_sizes=(16, 16, 4, 4),
-    upsample_initial_channel=32,
-    resblock_kernel_sizes=(3, 7, 11),
-    resblock_dilation_sizes=((1, 3, 5),) * 3,
-)
+TINY = HifiGanConfig.from_dict(V1_TINY)
 
 
 def _teacher(seed: int = 0) -> Generator:
@@ -198,3 +194,37 @@ def test_discriminators_score_every_layer():
     assert discriminator_loss(zeros, ones).item() == 2.0
     assert generator_loss(ones).item() == 0.0 and generator_loss(zeros).item() == 1.0
     assert feature_matching(maps, maps).item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "flags, rule",
+    [
+        (["--batch", "0"], "--batch must be positive"),
+        (["--adversarial-from", "1.5"], "--adversarial-from must be a fraction"),
+        (["--width", "0"], "--width: must be positive"),
+        (["--width", "100"], "--width: upsample_initial_channel must halve cleanly"),
+    ],
+)
+def test_bad_training_flags_exit_2_with_one_line(tmp_path, flags, rule):
+    data = _data(tmp_path / "data")
+    out = subprocess.run(
+        [sys.executable, "-m", "recipes.default_voice.distill", "train", "--data", str(data)]
+        + ["--out", str(tmp_path / "out"), "--device", "cpu", *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2
+    assert rule in out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()
+
+
+def test_training_without_prepared_data_says_so(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "recipes.default_voice.distill", "train"]
+        + ["--data", str(tmp_path), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2 and "run `prepare` first" in out.stderr

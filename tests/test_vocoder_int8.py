@@ -9,18 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from recipes.default_voice.vocoder_int8 import fp32_nodes, quantize
+from tests.test_hifigan import V1_TINY
 from vocoder_service.backends import export_onnx
 from vocoder_service.checkpoint import resolve_checkpoint
 from vocoder_service.hifigan import Generator, HifiGanConfig
 
-TINY = HifiGanConfig(
-    resblock="1",
-    upsample_rates=(8, 8, 2, 2),
-    upsample_kernel_sizes=(16, 16, 4, 4),
-    upsample_initial_channel=32,
-    resblock_kernel_sizes=(3, 7, 11),
-    resblock_dilation_sizes=((1, 3, 5),) * 3,
-)
+TINY = HifiGanConfig.from_dict(V1_TINY)
 
 
 def _export(tmp_path):

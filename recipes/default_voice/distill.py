@@ -129,6 +129,12 @@ def prepare(cache: Path, voice: Path, en: int, zh: int, workers: int) -> Path:
 # ---------------------------------------------------------------- train (any torch device)
 
 
+def utterance_codes(path: Path) -> list[np.ndarray]:
+    """`prepare`'s codes, one int64 array per utterance, in corpus order."""
+    npz = np.load(path)
+    return np.split(npz["codes"].astype(np.int64), np.cumsum(npz["lengths"])[:-1])
+
+
 def write_teacher(generator: Generator, out: Path) -> None:
     """The teacher as `train` reads it: plain (folded) weights in fp16 and its config."""
     from safetensors.torch import save_file
@@ -148,6 +154,8 @@ def load_teacher(data: Path, device: torch.device) -> Generator:
 
 
 def student_config(teacher: HifiGanConfig, width: int) -> HifiGanConfig:
+    if width <= 0:
+        raise ValueError(f"must be positive (got {width})")
     return dataclasses.replace(teacher, upsample_initial_channel=width)
 
 
@@ -334,16 +342,12 @@ def train(args: argparse.Namespace) -> None:
     if decoder is None:
         raise SystemExit(f"{args.voice} has no token decoder")
     decoder = decoder.to(device)
-    npz = np.load(args.data / CODES)
-    bounds = np.concatenate([[0], np.cumsum(npz["lengths"])])
-    order = list(range(len(npz["lengths"])))
-    rng.shuffle(order)
-    order = order[: args.limit]
-    codes = torch.from_numpy(npz["codes"].astype(np.int64)).to(device)
+    utterances = utterance_codes(args.data / CODES)
+    rng.shuffle(utterances)
     mels, targets = [], []
     with torch.inference_mode():
-        for k in order:
-            mel = decoder(codes[bounds[k] : bounds[k + 1]][None])[0]
+        for codes in utterances[: args.limit]:
+            mel = decoder(torch.from_numpy(codes).to(device)[None])[0]
             mels.append(mel)
             targets.append(teacher(mel[None])[0, 0])
     mels = [m.clone() for m in mels]
@@ -377,11 +381,20 @@ def train(args: argparse.Namespace) -> None:
     budget = args.minutes * 60
     log = args.out / "log.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
-    first = held_out(student, loss_fn, *val)
-    first.update(step=0, seconds=0.0)
-    log.write_text(json.dumps(first) + "\n")
+    log.write_text("")
     params = sum(p.numel() for p in student.parameters()) / 1e6
-    _log(f"width {args.width}: {params:.2f} M params, at the start {first}")
+    _log(f"width {args.width}: {params:.2f} M params")
+
+    def checkpoint(**fields) -> None:
+        """Held-out figures with `fields` as a line of the log; the student saved."""
+        row = {**held_out(student, loss_fn, *val), **fields}
+        with log.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        _log(f"width {args.width}: {row}")
+        if fields["step"]:
+            save_student(student, args.out)
+
+    checkpoint(step=0, seconds=0.0)
     autocast = device.type == "cuda"
     t0, step, next_save = time.perf_counter(), 0, args.save_every
     running: dict[str, list[torch.Tensor]] = {}
@@ -425,21 +438,11 @@ def train(args: argparse.Namespace) -> None:
         for name, value in parts.items():
             running.setdefault(name, []).append(value.detach())
         if elapsed >= next_save or step == 1:
-            row = held_out(student, loss_fn, *val)
-            row.update(step=step, seconds=round(elapsed, 1), lr=lr)
-            row.update({f"train_{k}": torch.stack(v).mean().item() for k, v in running.items()})
+            train_means = {f"train_{k}": torch.stack(v).mean().item() for k, v in running.items()}
+            checkpoint(step=step, seconds=round(elapsed, 1), lr=lr, **train_means)
             running = {}
-            with log.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            _log(f"width {args.width}: {row}")
-            save_student(student, args.out)
             next_save += args.save_every
-    row = held_out(student, loss_fn, *val)
-    row.update(step=step, seconds=round(time.perf_counter() - t0, 1), final=True)
-    with log.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-    save_student(student, args.out)
-    _log(f"width {args.width}: done {row}")
+    checkpoint(step=step, seconds=round(time.perf_counter() - t0, 1), final=True)
 
 
 # ---------------------------------------------------------------- export
@@ -498,6 +501,17 @@ def main() -> None:
     if args.command == "prepare":
         prepare(args.cache, args.voice, args.en, args.zh, args.workers)
     elif args.command == "train":
+        for flag in ("minutes", "batch", "segment", "lr", "save_every"):
+            if getattr(args, flag) <= 0:
+                p.error(f"--{flag.replace('_', '-')} must be positive")
+        if not 0 <= args.adversarial_from <= 1:
+            p.error("--adversarial-from must be a fraction of the budget, from 0 to 1")
+        if not (args.data / TEACHER_CONFIG).is_file():
+            p.error(f"--data {args.data} holds no teacher: run `prepare` first")
+        try:  # a width the network cannot take, before any data is loaded
+            student_config(HifiGanConfig.from_json(args.data / TEACHER_CONFIG), args.width)
+        except ValueError as exc:
+            p.error(f"--width: {exc}")
         train(args)
     else:
         export(args.student, args.voice)

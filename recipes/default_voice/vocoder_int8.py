@@ -95,18 +95,18 @@ def calibration_mels(voice: Path, codes: Path, count: int = 30, frames: int = 20
     """Decoded mels `[1, num_mels, <= frames]` of `count` training utterances spread over the set."""
     import torch
 
+    from recipes.default_voice.distill import utterance_codes
     from vocoder_service.token_decoder import load_token_decoder
 
     decoder = load_token_decoder(voice / "vocoder")
     if decoder is None:
         raise SystemExit(f"{voice} has no token decoder")
-    npz = np.load(codes)
-    bounds = np.concatenate([[0], np.cumsum(npz["lengths"])])
-    picks = np.linspace(0, len(npz["lengths"]) - 1, count).astype(int)
+    utterances = utterance_codes(codes)
+    picks = np.linspace(0, len(utterances) - 1, count).astype(int)
     out = []
     with torch.inference_mode():
         for k in picks:
-            c = torch.from_numpy(npz["codes"][bounds[k] : bounds[k + 1]].astype(np.int64))
+            c = torch.from_numpy(utterances[k])
             out.append(decoder(c[None])[:, :, :frames].float().numpy())
     return out
 
