@@ -105,6 +105,10 @@ LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
         None,
     ),
     "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], PINNED),
+    "int8 onnxruntime, vocoder on both cores, 2 workers": (
+        ["--backend", "onnx", "--int8", "--threads", "1"],
+        None,
+    ),
 }
 
 

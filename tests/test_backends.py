@@ -270,7 +270,7 @@ STACK_STEPS = [(15, False), (4, False), (4, False), (9, False), (6, True)]
 @pytest.mark.parametrize("which", ["ort", "torch"])
 def test_streams_stacked_in_one_forward_equal_each_alone(which, ort_backend, torch_backend):
     """Fresh streams start together and carried states stack along the batch: every stream's
-    audio is what it would have been alone (ONNX Runtime runs them in turn)."""
+    audio is what it would have been alone, on both backends."""
     backend = ort_backend if which == "ort" else torch_backend
     mels = [_mel(1, 38, seed=s).astype(np.float32) for s in (1, 2, 3)]
     together, alone = _stacked_against_alone(backend, mels, STACK_STEPS)

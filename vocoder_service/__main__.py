@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the generator in bf16 (torch backend; on the CPU through oneDNN, fastest "
         "where the CPU has AMX or is an AMD CPU with AVX-512 BF16)",
     )
+    precision.add_argument(
+        "--int8",
+        action="store_true",
+        help="run the generator's convolutions in int8 (ONNX Runtime on the CPU, calibrated on "
+        "the voice's vocoder/calibration_codes.npz; the last upsampling stage stays fp32)",
+    )
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
     p.add_argument(
         "--spin",
@@ -172,10 +178,16 @@ def load(args: argparse.Namespace):
         voices = [load_voice(d) for d in dirs]
     if args.bf16 and args.backend == "onnx":
         raise ValueError("--bf16 runs on the torch backend: use --backend torch or auto")
+    if args.int8 and args.backend == "torch":
+        raise ValueError("--int8 runs on the onnx backend: use --backend onnx or auto")
     device = select_device(args.device)
+    if args.int8 and device.type != "cpu":
+        raise ValueError(f"--int8 runs on the CPU (got --device {args.device})")
     kind, precision = auto_backend(device) if args.backend == "auto" else (args.backend, "fp32")
     if args.bf16:
         kind, precision = "torch", "bf16"
+    elif args.int8:
+        kind, precision = "onnx", "int8"
     elif args.fp16:
         precision = "fp16"
     if args.threads > 0:
@@ -188,11 +200,14 @@ def load(args: argparse.Namespace):
         key = voice.generator.fingerprint
         if key not in by_generator:
             if kind == "onnx":
+                int8 = precision == "int8"
                 by_generator[key] = OnnxBackend(
                     voice.generator,
                     intra_op_threads=args.threads,
                     fp16=True if precision == "fp16" else None,
                     allow_spinning=args.spin,
+                    int8=int8,
+                    calibration=voice.calibration_mels() if int8 else None,
                 )
             else:
                 by_generator[key] = TorchBackend(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,6 +18,13 @@ from torch import nn
 from vocoder_service.checkpoint import GeneratorCheckpoint, load_generator, resolve_checkpoint
 from vocoder_service.chunking import ForwardShape
 from vocoder_service.hifigan import Generator, HifiGanConfig
+from vocoder_service.quantize import (
+    FP32_STAGES,
+    QUANTIZATION_VERSION,
+    check_fp32_stages,
+    quantize_graph,
+    stream_feeds,
+)
 from vocoder_service.streaming import StreamingGenerator, initial_state
 
 log = logging.getLogger(__name__)
@@ -60,7 +69,8 @@ class Backend:
 
     @property
     def precision(self) -> str:
-        """ "fp32", "fp16" or "bf16": what the generator computes in."""
+        """ "fp32", "fp16", "bf16" or "int8": what the generator computes in ("int8": its
+        convolutions, on 8-bit weights and inputs)."""
         raise NotImplementedError
 
     def run(self, mel: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -312,8 +322,12 @@ class OnnxBackend(Backend):
     """ONNX Runtime over an export cached by checkpoint and config; CUDA in fp16 when present.
 
     `use_cuda` / `fp16`: None picks CUDA (then fp16) when onnxruntime has its CUDA provider;
-    `intra_op_threads` 0 is ORT's default (all cores); `cache_dir` overrides `default_cache_dir()`.
-    `exported` tells whether this instance wrote the model (False: it came from the cache).
+    `int8` runs the convolutions in int8 on the CPU (`quantize.py`), calibrated on
+    `calibration` (mels `[1, num_mels, frames]`, `VocoderVoice.calibration_mels`) with the last
+    `fp32_stages` upsampling stages kept fp32; each graph is quantised once and cached by
+    checkpoint, calibration and stages. `intra_op_threads` 0 is ORT's default (all cores);
+    `cache_dir` overrides `default_cache_dir()`. `exported` tells whether this instance wrote
+    the model (False: it came from the cache).
     """
 
     name = "onnxruntime"
@@ -328,6 +342,9 @@ class OnnxBackend(Backend):
         intra_op_threads: int = 0,
         graph_optimization: str = "all",
         allow_spinning: bool = True,
+        int8: bool = False,
+        calibration: Sequence[np.ndarray] | None = None,
+        fp32_stages: int = FP32_STAGES,
     ):
         import onnxruntime as ort
 
@@ -348,17 +365,30 @@ class OnnxBackend(Backend):
                 "use_cuda=True but onnxruntime has no CUDAExecutionProvider "
                 "(install onnxruntime-gpu on a CUDA host)"
             )
-        self.use_cuda = cuda_present if use_cuda is None else use_cuda
+        if int8 and (use_cuda or fp16):
+            raise ValueError("int8 runs on the CPU with fp32 activations: not with CUDA or fp16")
+        if int8 and not calibration:
+            raise ValueError("int8 needs calibration mels (a voice's calibration codes)")
+        check_fp32_stages(checkpoint.config, fp32_stages)
+        self.int8 = int8
+        self.use_cuda = False if int8 else cuda_present if use_cuda is None else use_cuda
         self.fp16 = self.use_cuda if fp16 is None else fp16
         self.config = checkpoint.config
         self.checkpoint = checkpoint
+        self._calibration = [np.ascontiguousarray(m, dtype=np.float32) for m in calibration or []]
+        self._fp32_stages = fp32_stages
+        self._quantization = ""
+        if int8:
+            key = hashlib.sha256(f"{QUANTIZATION_VERSION} {fp32_stages}".encode())
+            for mel in self._calibration:
+                key.update(repr(mel.shape).encode())
+                key.update(mel.tobytes())
+            self._quantization = key.hexdigest()[:12]
 
         self._cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self.model_path = self._export_path()
         self.exported = not self.model_path.is_file()
-        if self.exported:
-            log.info("exporting %s to %s", checkpoint.path, self.model_path)
-            export_onnx(checkpoint, self.model_path, fp16=self.fp16)
+        self._model(None)
 
         opts = ort.SessionOptions()
         opts.graph_optimization_level = {
@@ -385,49 +415,104 @@ class OnnxBackend(Backend):
         self._opts, self._providers = opts, providers
         self.session = ort.InferenceSession(str(self.model_path), opts, providers=providers)
         self._stream_sessions: tuple[Any, ...] | None = None  # (step, final), built on first use
+        self._initial_states: dict[int, list[np.ndarray]] = {}
 
-    def _export_path(self, stream: str | None = None) -> Path:
-        precision = "fp16" if self.fp16 else "fp32"
+    def _export_path(self, stream: str | None = None, fp32: bool = False) -> Path:
+        """The cached model file of the offline graph (`stream` None) or a streaming graph
+        ("step", "final"), in this backend's precision or, `fp32`, the float export."""
+        precision = (
+            "fp32" if fp32 else f"int8-{self._quantization}" if self.int8 else self.precision
+        )
         kind = "" if stream is None else f"-stream-{stream}"
         return self._cache / (
             f"hifigan-{self.checkpoint.fingerprint[:24]}-v{_EXPORT_VERSION}"
             f"-op{ONNX_OPSET}-{precision}{kind}.onnx"
         )
 
+    def _exported(self, stream: str | None, fp32: bool = False) -> Path:
+        path = self._export_path(stream, fp32)
+        if not path.is_file():
+            graph = "offline graph" if stream is None else f"{stream} streaming graph"
+            log.info("exporting the %s of %s to %s", graph, self.checkpoint.path, path)
+            export_onnx(self.checkpoint, path, fp16=self.fp16 and not fp32, stream=stream)
+        return path
+
+    def _model(self, stream: str | None) -> Path:
+        """The graph's model file in this backend's precision, exported (and for int8
+        quantised) on first use."""
+        if not self.int8:
+            return self._exported(stream)
+        path = self._export_path(stream)
+        if path.is_file():
+            return path
+        log.info("quantising the generator of %s to int8 in %s", self.checkpoint.path, self._cache)
+        if stream is None:
+            feeds = [{"mel": mel} for mel in self._calibration]
+            return quantize_graph(
+                self._exported(None, fp32=True), path, feeds, self.config, self._fp32_stages
+            )
+        import onnxruntime as ort
+
+        fp32 = {kind: self._exported(kind, fp32=True) for kind in ("step", "final")}
+        step = ort.InferenceSession(str(fp32["step"]), self._opts, providers=self._providers)
+        state = [t.numpy() for t in initial_state(self.config, 1, torch.float32)]
+        lag = self.receptive_field[1]
+        calls = dict(zip(("step", "final"), stream_feeds(step, self._calibration, state, lag)))
+        for kind in ("step", "final"):
+            quantize_graph(
+                fp32[kind], self._export_path(kind), calls[kind], self.config, self._fp32_stages
+            )
+        return path
+
     def _streaming_sessions(self):
         import onnxruntime as ort
 
         if self._stream_sessions is None:
-            sessions = []
-            for kind in ("step", "final"):
-                path = self._export_path(kind)
-                if not path.is_file():
-                    log.info(
-                        "exporting the %s streaming graph of %s to %s",
-                        kind,
-                        self.checkpoint.path,
-                        path,
-                    )
-                    export_onnx(self.checkpoint, path, fp16=self.fp16, stream=kind)
-                sessions.append(
-                    ort.InferenceSession(str(path), self._opts, providers=self._providers)
-                )
-            dtype = torch.float16 if self.fp16 else torch.float32
-            self._initial_state = [t.numpy() for t in initial_state(self.config, 1, dtype)]
+            sessions = [
+                ort.InferenceSession(str(self._model(kind)), self._opts, providers=self._providers)
+                for kind in ("step", "final")
+            ]
             self._state_names = [i.name for i in sessions[0].get_inputs()][1:]
             self._stream_sessions = tuple(sessions)
         return self._stream_sessions
 
-    def run_stream(self, mel, state, final=False):
-        if mel.ndim != 3 or mel.shape[:2] != (1, self.num_mels):
-            raise ValueError(f"mel must be [1, {self.num_mels}, frames] (got {tuple(mel.shape)})")
+    def _initial_state(self, batch: int) -> list[np.ndarray]:
+        """A fresh state for `batch` streams (shared: ONNX Runtime only reads its inputs)."""
+        if batch not in self._initial_states:
+            dtype = torch.float16 if self.fp16 else torch.float32
+            self._initial_states[batch] = [
+                t.numpy() for t in initial_state(self.config, batch, dtype)
+            ]
+        return self._initial_states[batch]
+
+    def _run_streamed(self, mel, state: list[np.ndarray], final: bool) -> list[np.ndarray]:
         if isinstance(mel, torch.Tensor):
             mel = mel.detach().cpu().numpy()
         step, last = self._streaming_sessions()
-        feed = dict(zip(self._state_names, self._initial_state if state is None else state))
+        feed = dict(zip(self._state_names, state))
         feed["mel"] = np.ascontiguousarray(mel, dtype=np.float32)
-        audio, *state = (last if final else step).run(None, feed)
+        return (last if final else step).run(None, feed)
+
+    def run_stream(self, mel, state, final=False):
+        if mel.ndim != 3 or mel.shape[:2] != (1, self.num_mels):
+            raise ValueError(f"mel must be [1, {self.num_mels}, frames] (got {tuple(mel.shape)})")
+        audio, *state = self._run_streamed(
+            mel, self._initial_state(1) if state is None else state, final
+        )
         return audio[0], state
+
+    def run_streams(self, mel, states, final=False):
+        """One ONNX Runtime call for all the streams, their states stacked along the batch as
+        `TorchBackend.run_streams` stacks them, so that a call's fixed cost is paid once."""
+        self._check_streams(mel, states)
+        batch = len(states)
+        if states[0] is None:
+            stacked = self._initial_state(batch)  # its length-only markers have a batch of 1
+        else:
+            stacked = [np.concatenate(parts) for parts in zip(*cast(list[list], states))]
+        audio, *state = self._run_streamed(mel, stacked, final)
+        rows = [np.split(t, batch) if t.shape[0] == batch else [t] * batch for t in state]
+        return list(audio), [list(parts) for parts in zip(*rows)]
 
     @property
     def device(self) -> str:
@@ -435,7 +520,7 @@ class OnnxBackend(Backend):
 
     @property
     def precision(self) -> str:
-        return "fp16" if self.fp16 else "fp32"
+        return "int8" if self.int8 else "fp16" if self.fp16 else "fp32"
 
     def run(self, mel: np.ndarray | torch.Tensor) -> np.ndarray:
         self._check(mel)

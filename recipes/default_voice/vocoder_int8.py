@@ -1,22 +1,27 @@
-"""The vocoder in int8 through ONNX Runtime's static quantisation, judged by the voice.
+"""The vocoder in int8 through ONNX Runtime's static quantisation: its calibration, and its
+score on the voice.
 
-    python -m recipes.default_voice.vocoder_int8 [--voice voices/default] [--count 100]
+    python -m recipes.default_voice.vocoder_int8 calibrate [--voice voices/default]
+    python -m recipes.default_voice.vocoder_int8 score [--voice voices/default] [--count 100]
 
-The generator's offline ONNX export is quantised in QDQ form: per-channel int8 weights and uint8
-activations at the convolutions' inputs, ranges (MinMax) calibrated on decoded mels of the
-voice's training sentences (`distill.py prepare` writes their codes). Only convolutions run in
-int8: the sums and activations between them run in float, on values rounded to the 8-bit grid of
-the convolutions that read them. The last `--fp32-stages` upsampling
-stages and conv_post stay fp32, where the signal is closest to audio. Then fp32, the chosen
-int8 and int8 of every convolution vocode the same natural held-out sentences offline on one
-thread, scored as `vocoder_precision.py` scores (WER, DNSMOS, CPU s per audio s). One JSON
-object on stdout (and `<cache>/vocoder_int8.json`).
+`calibrate` writes the voice's `vocoder/calibration_codes.npz`: the speech codes of the
+teachers' audio of `--en` English and `--zh` Mandarin training sentences (never the held-out
+ones), each cut to `--frames` mel frames. The vocoder service decodes them and calibrates its
+int8 graphs on them (`vocoder_service/quantize.py`, `--int8`).
+
+`score` vocodes the natural held-out sentences offline on one thread with fp32, the service's
+int8 (the residual blocks of all but the last upsampling stage in int8) and int8 in every
+stage's residual blocks, scored as
+`vocoder_precision.py` scores (WER, DNSMOS, CPU s per audio s). The service's streamed int8 is
+judged by `vocoder_precision.py --int8`. One JSON object on stdout (and
+`<cache>/vocoder_int8.json`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -27,133 +32,87 @@ from recipes.default_voice.config import RecipeConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def fp32_nodes(model, num_stages: int, num_kernels: int, keep: int) -> list[str]:
-    """Names of the convolution nodes of the last `keep` upsampling stages and conv_post, in the
-    generator's export (its upsamplers are the ConvTranspose nodes in order, its residual
-    blocks' nodes are named `.../resblocks.J/...`, conv_post is the last Conv)."""
-    if keep <= 0:
-        return []
-    nodes = [n for n in model.graph.node if n.op_type in ("Conv", "ConvTranspose")]
-    ups = [n.name for n in nodes if n.op_type == "ConvTranspose"]
-    if len(ups) != num_stages:
-        raise ValueError(f"expected {num_stages} ConvTranspose nodes, found {len(ups)}")
-    first_block = (num_stages - keep) * num_kernels
-    blocks = [
-        n.name
-        for n in nodes
-        if "resblocks." in n.name
-        and int(n.name.split("resblocks.")[1].split("/")[0]) >= first_block
-    ]
-    return ups[-keep:] + blocks + [nodes[-1].name]
-
-
-def quantize(
-    src: Path,
-    out: Path,
-    calibration: list[np.ndarray],
-    num_stages: int,
-    num_kernels: int,
-    fp32_stages: int,
-) -> Path:
-    """Static QDQ quantisation of an offline generator export (`mel` in, `audio` out)."""
-    import onnx
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.mels = iter(calibration)
-
-        def get_next(self) -> dict | None:
-            mel = next(self.mels, None)
-            return None if mel is None else {"mel": mel}
-
-    with tempfile.TemporaryDirectory() as tmp:
-        pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
-        keep = fp32_nodes(onnx.load(str(pre)), num_stages, num_kernels, fp32_stages)
-        quantize_static(
-            str(pre),
-            str(out),
-            Reader(),
-            quant_format=QuantFormat.QDQ,
-            op_types_to_quantize=["Conv", "ConvTranspose"],
-            nodes_to_exclude=keep,
-            per_channel=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-        )
-    return out
-
-
-def calibration_mels(voice: Path, codes: Path, count: int = 30, frames: int = 200) -> list:
-    """Decoded mels `[1, num_mels, <= frames]` of `count` training utterances spread over the set."""
-    import torch
-
-    from recipes.default_voice.distill import utterance_codes
+def calibrate(voice: Path, en: int, zh: int, frames: int, workers: int) -> Path:
+    """Write `voice/vocoder/calibration_codes.npz` from the teachers' training utterances."""
+    from recipes.default_voice.distill import teacher_codes, training_items
     from vocoder_service.token_decoder import load_token_decoder
+    from vocoder_service.voice import CALIBRATION_NAME
 
     decoder = load_token_decoder(voice / "vocoder")
     if decoder is None:
         raise SystemExit(f"{voice} has no token decoder")
-    utterances = utterance_codes(codes)
-    picks = np.linspace(0, len(utterances) - 1, count).astype(int)
-    out = []
-    with torch.inference_mode():
-        for k in picks:
-            c = torch.from_numpy(utterances[k])
-            out.append(decoder(c[None])[:, :, :frames].float().numpy())
+    tokens = max(1, frames // decoder.config.frames_per_token)
+    codes, _ = teacher_codes(training_items(RecipeConfig.cache, en, zh), voice, workers)
+    codes = [c[:tokens] for c in codes]
+    out = voice / "vocoder" / CALIBRATION_NAME
+    np.savez_compressed(
+        out,
+        codes=np.concatenate(codes).astype(np.int16),
+        lengths=np.array([len(c) for c in codes], dtype=np.int32),
+    )
+    print(f"{len(codes)} utterances, {sum(map(len, codes))} codes -> {out}")
     return out
+
+
+def score(voice_dir: Path, count: int) -> dict:
+    """fp32, the service's int8 and int8 in every stage, offline, on the held-out set."""
+    import torch
+
+    from recipes.default_voice.vocoder_precision import held_out_mels, score as score_vocoders
+    from vocoder_service.backends import OnnxBackend
+    from vocoder_service.quantize import FP32_STAGES
+    from vocoder_service.voice import load_voice
+
+    torch.set_num_threads(1)
+    voice = load_voice(voice_dir)
+    calibration = voice.calibration_mels()
+    with tempfile.TemporaryDirectory() as cache:
+        options = dict(cache_dir=cache, intra_op_threads=1, allow_spinning=False)
+        backends = {
+            "fp32 (onnxruntime)": OnnxBackend(voice.generator, **options),
+            f"int8, the service's (last {FP32_STAGES} stages fp32)": OnnxBackend(
+                voice.generator, int8=True, calibration=calibration, **options
+            ),
+            "int8, every stage": OnnxBackend(
+                voice.generator, int8=True, calibration=calibration, fp32_stages=0, **options
+            ),
+        }
+        texts, mels = held_out_mels(voice_dir, count, RecipeConfig().seed)
+        result = score_vocoders(
+            {n: (lambda mel, b=b: b.run(mel).reshape(-1)) for n, b in backends.items()},
+            texts,
+            mels,
+        )
+    result["offline"] = True
+    return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
-    p.add_argument("--count", type=int, default=100, help="held-out sentences")
-    p.add_argument("--codes", type=Path, default=RecipeConfig.cache / "distill" / "codes.npz")
-    p.add_argument("--fp32-stages", type=int, default=1, help="last upsampling stages kept fp32")
+    sub = p.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="write the voice's calibration codes")
+    cal.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
+    cal.add_argument("--en", type=int, default=24, help="English training sentences")
+    cal.add_argument("--zh", type=int, default=8, help="Mandarin training sentences")
+    cal.add_argument("--frames", type=int, default=200, help="mel frames kept of each")
+    cal.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    sc = sub.add_parser("score", help="fp32 against int8 offline on the held-out set")
+    sc.add_argument("--voice", type=Path, default=ROOT / "voices" / "default")
+    sc.add_argument("--count", type=int, default=100, help="held-out sentences")
     args = p.parse_args()
-
-    import onnxruntime as ort
-    import torch
-
-    from recipes.default_voice.vocoder_precision import held_out_mels, score
-    from vocoder_service.backends import export_onnx
-    from vocoder_service.voice import load_voice
-
-    torch.set_num_threads(1)
-    checkpoint = load_voice(args.voice).generator
-    config = checkpoint.config
-    stages, kernels = len(config.upsample_rates), len(config.resblock_kernel_sizes)
-    calibration = calibration_mels(args.voice, args.codes)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
-    with tempfile.TemporaryDirectory() as tmp:
-        src = export_onnx(checkpoint, Path(tmp) / "fp32.onnx")
-        models = {"fp32 (onnxruntime)": src}
-        for keep in dict.fromkeys((args.fp32_stages, 0)):
-            stages_kept = f"last {keep} stages" if keep > 1 else "last stage"
-            name = f"int8, {stages_kept} fp32" if keep else "int8, every conv"
-            out = Path(tmp) / f"int8_{keep}.onnx"
-            models[name] = quantize(src, out, calibration, stages, kernels, keep)
-        sessions = {
-            n: ort.InferenceSession(str(m), options, providers=["CPUExecutionProvider"])
-            for n, m in models.items()
-        }
-
-        def vocoder(session):
-            return lambda mel: session.run(None, {"mel": mel})[0].reshape(-1)
-
-        texts, mels = held_out_mels(args.voice, args.count, RecipeConfig().seed)
-        result = score({n: vocoder(s) for n, s in sessions.items()}, texts, mels)
-    result["offline"] = True
+    if args.command == "calibrate":
+        for flag in ("en", "zh", "frames", "workers"):
+            if getattr(args, flag) < (0 if flag in ("en", "zh") else 1):
+                p.error(f"--{flag} must be >= {0 if flag in ('en', 'zh') else 1}")
+        if args.en + args.zh < 1:
+            p.error("--en and --zh must ask for at least one sentence")
+        calibrate(args.voice, args.en, args.zh, args.frames, args.workers)
+        return
+    if args.count < 1:
+        p.error("--count must be >= 1")
+    result = score(args.voice, args.count)
     RecipeConfig.cache.mkdir(parents=True, exist_ok=True)
     (RecipeConfig.cache / "vocoder_int8.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

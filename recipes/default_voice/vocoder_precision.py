@@ -3,12 +3,13 @@ on the natural held-out English set (Debian `fortunes`, a source the training ne
 with the same speech codes vocoded by each generator precision, side by side.
 
     python -m recipes.default_voice.vocoder_precision [--voice voices/default] [--count 100]
-        [--compare-universal]
+        [--compare-universal] [--int8]
 
 Each sentence goes through the deployed decoding once (espeak-ng phonemes, the voice's LM with
 its phoneme-synchronous plan, greedy); its codes go through the voice's token decoder once; only
 the generator differs: ONNX Runtime fp32 (the service's default) and torch bf16 (`--bf16
---backend torch`), each streamed chunk by chunk as the service runs it on a CPU. Also printed:
+--backend torch`) and, with `--int8`, ONNX Runtime int8 calibrated on the voice's calibration
+codes, each streamed chunk by chunk as the service runs it on a CPU. Also printed:
 each generator's CPU seconds per audio second on one thread, measured in the same run,
 rotating which goes first. With `--compare-universal` the pretrained universal V1 runs beside
 the voice's own generator in both precisions (how a distilled generator, `distill.py`, is judged).
@@ -45,7 +46,7 @@ def _log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def generators(voice_dir: Path, compare_universal: bool = False) -> dict:
+def generators(voice_dir: Path, compare_universal: bool = False, int8: bool = False) -> dict:
     from vocoder_service.backends import OnnxBackend, TorchBackend
     from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import load_voice
@@ -61,6 +62,13 @@ def generators(voice_dir: Path, compare_universal: bool = False) -> dict:
     for prefix, checkpoint in checkpoints.items():
         tools[f"{prefix}fp32 (onnxruntime)"] = OnnxBackend(checkpoint, intra_op_threads=1)
         tools[f"{prefix}bf16 (torch, oneDNN)"] = TorchBackend(checkpoint, bf16=True)
+        if int8:
+            tools[f"{prefix}int8 (onnxruntime)"] = OnnxBackend(
+                checkpoint, intra_op_threads=1, int8=True, calibration=voice.calibration_mels()
+            )
+    for name, backend in tools.items():
+        if name != "voice":  # export (and quantise) the streaming graphs before any timing
+            backend.warmup(stateful=True)
     return tools
 
 
@@ -164,7 +172,14 @@ def main() -> None:
         action="store_true",
         help="also run the pretrained universal V1 (for a voice with its own generator)",
     )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="also run ONNX Runtime int8, calibrated on the voice's calibration codes",
+    )
     args = p.parse_args()
+    if args.count < 1:
+        p.error("--count must be >= 1")
 
     import torch
 
@@ -174,7 +189,7 @@ def main() -> None:
     retain_freed_memory()
     cfg = RecipeConfig()
     texts, mels = held_out_mels(args.voice, args.count, cfg.seed)
-    tools = generators(args.voice, args.compare_universal)
+    tools = generators(args.voice, args.compare_universal, args.int8)
     tools.pop("voice")
     result = score({n: partial(streamed, b) for n, b in tools.items()}, texts, mels)
     cfg.cache.mkdir(parents=True, exist_ok=True)  # the voice card's table (bundle.py)
