@@ -91,24 +91,22 @@ def serve_colocated(args) -> None:
 # default, `orchestrator.launcher.default_cpus`, with one vocoder worker per core).
 PINNED = {"text": {0}, "orchestrator": {0}, "vocoder": {1}}
 MACHINE_CORES = frozenset(os.sched_getaffinity(0))
+AUTO = ["--threads", "1"]  # the vocoder picks its precision by the CPU (`auto_backend`)
 BF16 = ["--backend", "torch", "--bf16", "--threads", "1"]
+INT8 = ["--backend", "onnx", "--int8", "--threads", "1"]
 LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
-    "bf16 torch, vocoder on both cores, 2 workers (default)": (BF16, None),
-    "as the default, at Python's 5 ms GIL switch interval": (
-        [*BF16, "--gil-switch-ms", "5"],
-        None,
-    ),
+    "the CPU's precision, vocoder on both cores, 2 workers (default)": (AUTO, None),
+    "as the default, at Python's 5 ms GIL switch interval": ([*AUTO, "--gil-switch-ms", "5"], None),
+    "bf16 torch, vocoder on both cores, 2 workers": (BF16, None),
     "bf16 torch, pinned": (BF16, PINNED),
     "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], {}),
+    "int8 onnxruntime, vocoder on both cores, 2 workers": (INT8, None),
+    "int8 onnxruntime, pinned": (INT8, PINNED),
     "fp32 onnxruntime, vocoder on both cores, 2 workers": (
         ["--backend", "onnx", "--threads", "1"],
         None,
     ),
     "fp32 onnxruntime, pinned": (["--backend", "onnx", "--threads", "1"], PINNED),
-    "int8 onnxruntime, vocoder on both cores, 2 workers": (
-        ["--backend", "onnx", "--int8", "--threads", "1"],
-        None,
-    ),
 }
 
 
@@ -192,10 +190,22 @@ class Deployment:
             )
             self.procs.append(orch)
             self.address, self.http_port = orch.address, orch.http_port
+            self.vocoder_address = voc_addr
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def vocoder(self) -> str:
+        """The vocoder's backend and precision, as it reports them ("onnxruntime int8")."""
+        import grpc
+
+        from splittts.vocoder.v1 import vocoder_pb2, vocoder_pb2_grpc
+
+        with grpc.insecure_channel(self.vocoder_address) as ch:
+            stub = vocoder_pb2_grpc.VocoderStub(ch)
+            info = stub.GetInfo(vocoder_pb2.GetInfoRequest(), timeout=10)
+        return f"{info.backend} {info.precision}"
 
     def __exit__(self, *exc):
         for p in reversed(self.procs):
@@ -256,7 +266,9 @@ def compare_layouts(
             run_level(d.address, 1, 2)  # warm-up
             plan = ((1, n1), (2, n1), (4, n4), (8, n8))
             levels = [run_level(d.address, c, n) for c, n in plan]
+            vocoder = d.vocoder()
         result[name] = {
+            "vocoder": vocoder,
             "levels": [
                 {"concurrency": lv["concurrency"], "errors": len(lv["errors"])}
                 | {k: lv[k] for k in keys}
@@ -323,6 +335,7 @@ def main() -> int:
         c1 = run_level(d.address, 1, n1)
         c4 = run_level(d.address, 4, n4)
         c8 = run_level(d.address, 8, n8)
+        out["vocoder"] = d.vocoder()
     with Deployment(voice_dir, "colocated") as d:
         run_level(d.address, 1, 2)
         colo = run_level(d.address, 1, ncmp)

@@ -302,26 +302,32 @@ def test_bf16_streams_stacked_in_one_forward_track_each_alone():
 
 
 @pytest.mark.parametrize(
-    "amx, vendor, avx512_bf16, expected",
+    "amx, vendor, avx512_bf16, vnni, expected, expected_int8",
     [
-        (True, "GenuineIntel", True, ("torch", "bf16")),  # Xeon Sapphire Rapids on
-        (False, "AuthenticAMD", True, ("torch", "bf16")),  # EPYC Zen 4 on
-        (False, "GenuineIntel", True, ("onnx", "fp32")),  # vdpbf16ps at a quarter of FMA's rate
-        (False, "AuthenticAMD", False, ("onnx", "fp32")),  # Zen 3 and before
-        (False, "", False, ("onnx", "fp32")),
+        # Xeon Sapphire Rapids on: bf16 on AMX tiles, calibrated or not
+        (True, "GenuineIntel", True, True, ("torch", "bf16"), ("torch", "bf16")),
+        # EPYC Zen 4 on: int8 where the voice is calibrated, else bf16
+        (False, "AuthenticAMD", True, True, ("torch", "bf16"), ("onnx", "int8")),
+        # Cooper Lake: vdpbf16ps at a quarter of FMA's rate; VNNI's int8 where calibrated
+        (False, "GenuineIntel", True, True, ("onnx", "fp32"), ("onnx", "int8")),
+        (False, "GenuineIntel", False, True, ("onnx", "fp32"), ("onnx", "int8")),  # Ice Lake
+        (False, "AuthenticAMD", False, False, ("onnx", "fp32"), ("onnx", "fp32")),  # Zen 3
+        (False, "", False, False, ("onnx", "fp32"), ("onnx", "fp32")),
     ],
 )
-def test_the_default_cpu_vocoder_is_bf16_where_the_cpu_runs_it_fast(
-    monkeypatch, amx, vendor, avx512_bf16, expected
+def test_the_default_cpu_vocoder_follows_the_cpu_and_the_voice_calibration(
+    monkeypatch, amx, vendor, avx512_bf16, vnni, expected, expected_int8
 ):
     from vocoder_service import backends
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
     monkeypatch.setattr(backends, "cpu_vendor", lambda: vendor)
     assert backends.auto_backend(torch.device("cpu")) == expected
+    assert backends.auto_backend(torch.device("cpu"), int8_calibrated=True) == expected_int8
     # a GPU keeps its own precision whatever the host CPU
-    assert backends.auto_backend(torch.device("cuda")) == ("onnx", "fp16")
+    assert backends.auto_backend(torch.device("cuda"), int8_calibrated=True) == ("onnx", "fp16")
 
 
 def test_the_cpu_vendor_is_read_from_linux():

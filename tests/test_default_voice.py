@@ -42,10 +42,22 @@ def test_bundle_files_and_size():
         "lm/tokenizer.json",
         "vocoder/token_decoder.json",
         "vocoder/token_decoder.safetensors",
+        "vocoder/calibration_codes.npz",
     ):
         assert (VOICE / rel).is_file(), rel
     size = sum(p.stat().st_size for p in VOICE.rglob("*") if p.is_file())
     assert size <= 40 * 1024 * 1024
+
+
+def test_int8_calibration_decodes_to_speech_like_mels():
+    """The codes the int8 generator is calibrated on (`vocoder_service --int8`) are the voice's:
+    in its codebook's range, decoding to mels in the range of its speech."""
+    from vocoder_service.voice import load_voice
+
+    mels = load_voice(VOICE).calibration_mels()
+    assert len(mels) == 32 and all(m.shape[:2] == (1, 80) and m.shape[2] >= 100 for m in mels)
+    values = np.concatenate([m.ravel() for m in mels])
+    assert -12 < values.min() and values.max() < 3 and -8 < values.mean() < -3
 
 
 def test_lm_is_hybrid_qwen3_5(hf_model):

@@ -19,7 +19,12 @@ from tests.test_backends import STACK_STEPS, _stacked_against_alone
 from tests.test_hifigan import V1_TINY
 from tests.test_vocoder_service import snr_db, vocoder_process
 from tests.voices import make_random_voice
-from vocoder_service.backends import OnnxBackend, export_onnx
+from vocoder_service.backends import (
+    OnnxBackend,
+    auto_backend,
+    cpu_runs_int8_convs_fast,
+    export_onnx,
+)
 from vocoder_service.checkpoint import resolve_checkpoint
 from vocoder_service.client import token_requests, vocode
 from vocoder_service.hifigan import Generator, HifiGanConfig
@@ -203,6 +208,20 @@ def test_service_runs_int8_on_the_voice_calibration(tmp_path):
     finally:
         assert proc.stop() == 0
     assert (info.backend, info.precision) == ("onnxruntime", "int8")
+    # with no flags the service picks int8 for a calibrated voice where the CPU runs it fast
+    # (the graphs come from the cache the first process wrote)
+    proc = vocoder_process(voice_dir, tmp_path / "cache")
+    try:
+        with proc.channel() as ch:
+            auto = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
+    finally:
+        assert proc.stop() == 0
+    kind, precision = auto_backend(torch.device("cpu"), int8_calibrated=True)
+    assert (auto.backend, auto.precision) == (
+        "onnxruntime" if kind == "onnx" else kind,
+        precision,
+    )
+    assert (auto.precision == "int8") == cpu_runs_int8_convs_fast()
     voice = load_voice(voice_dir)
     mel = voice.token_decoder.decode(codes)[None]
     want = OnnxBackend(voice.generator, cache_dir=tmp_path / "fp32").run(mel)[0]

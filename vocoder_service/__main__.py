@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=("auto", "onnx", "torch"),
         default="auto",
-        help="auto: torch in bf16 on a CPU with AMX or an AMD CPU with AVX-512 BF16, else "
-        "ONNX Runtime (fp16 on CUDA); torch in fp16 on an NPU",
+        help="auto: on a CPU with AVX-512 VNNI and no AMX, ONNX Runtime int8 where the voices "
+        "bring their calibration; else torch in bf16 on a CPU with AMX or an AMD CPU with "
+        "AVX-512 BF16, else ONNX Runtime (fp16 on CUDA); torch in fp16 on an NPU",
     )
     p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
     precision = p.add_mutually_exclusive_group()
@@ -183,7 +184,9 @@ def load(args: argparse.Namespace):
     device = select_device(args.device)
     if args.int8 and device.type != "cpu":
         raise ValueError(f"--int8 runs on the CPU (got --device {args.device})")
-    kind, precision = auto_backend(device) if args.backend == "auto" else (args.backend, "fp32")
+    calibrated = all(v.int8_calibrated for v in voices)
+    auto = auto_backend(device, int8_calibrated=calibrated)
+    kind, precision = auto if args.backend == "auto" else (args.backend, "fp32")
     if args.bf16:
         kind, precision = "torch", "bf16"
     elif args.int8:

@@ -454,7 +454,10 @@ class OnnxBackend(Backend):
         import onnxruntime as ort
 
         fp32 = {kind: self._exported(kind, fp32=True) for kind in ("step", "final")}
-        step = ort.InferenceSession(str(fp32["step"]), self._opts, providers=self._providers)
+        # every core for the calibration runs: the service is not serving yet
+        options = ort.SessionOptions()
+        options.enable_mem_pattern = False
+        step = ort.InferenceSession(str(fp32["step"]), options, providers=self._providers)
         state = [t.numpy() for t in initial_state(self.config, 1, torch.float32)]
         lag = self.receptive_field[1]
         calls = dict(zip(("step", "final"), stream_feeds(step, self._calibration, state, lag)))
@@ -560,17 +563,35 @@ def cpu_runs_bf16_convs_fast() -> bool:
     return cpu_vendor() == "AuthenticAMD" and bool(torch.cpu._is_avx512_bf16_supported())
 
 
-def auto_backend(device: torch.device) -> tuple[str, str]:
+def cpu_runs_int8_convs_fast() -> bool:
+    """Whether ONNX Runtime's int8 convolutions (`quantize.py`) are this CPU's fastest
+    generator: with AVX-512 VNNI, whose `vpdpbusd` does four times the multiply-adds of an fp32
+    FMA, and without AMX, whose bf16 tiles the torch generator uses instead."""
+    return bool(torch.cpu._is_vnni_supported()) and not cpu_has_amx()
+
+
+def auto_backend(device: torch.device, int8_calibrated: bool = False) -> tuple[str, str]:
     """(backend, precision) of the vocoder when the operator names neither: the one place that
-    default is decided. Where oneDNN's bf16 convolutions are fast (`cpu_runs_bf16_convs_fast`)
-    the CPU runs the torch generator in bf16 for about half of ONNX Runtime fp32's CPU time
-    streamed, with WER within 0.5 points and DNSMOS within 0.01 of it on the natural held-out
-    set, measured on an Intel Xeon with AMX and on an AMD EPYC (Zen 4) with AVX-512 BF16
-    (bench/README.md). On an Intel CPU with AVX-512 BF16 alone the same bf16 convolutions ran
-    slower than ONNX Runtime's fp32 (0.62-0.78 against 0.40 CPU s per audio s, oneDNN held to
-    that instruction set), so other CPUs keep ONNX Runtime fp32. An NPU runs torch in fp16;
-    CUDA runs ONNX Runtime in fp16."""
+    default is decided. On a CPU:
+
+    - ONNX Runtime int8 where `cpu_runs_int8_convs_fast` and the voices bring their int8
+      calibration (`int8_calibrated`). On an AMD EPYC (Zen 4) it took 0.244 CPU s per audio s
+      streamed, against 0.270 for bf16 and 0.532 for fp32, and the split deployment made 12-22%
+      more audio at 8 streams than with bf16, with the default voice's WER within 0.4 points
+      and DNSMOS within 0.03 of fp32 on the natural held-out set (bench/README.md). On Intel
+      CPUs with VNNI and no AMX it replaces ONNX Runtime fp32 on the same kernels' library, by
+      the instruction rates; not measured on one yet.
+    - torch in bf16 where oneDNN's bf16 convolutions are fast (`cpu_runs_bf16_convs_fast`):
+      about half of ONNX Runtime fp32's CPU time streamed, with WER within 0.5 points and
+      DNSMOS within 0.01 of it, measured on an Intel Xeon with AMX and on an AMD EPYC. On an
+      Intel CPU with AVX-512 BF16 alone the same bf16 convolutions ran slower than ONNX
+      Runtime's fp32 (0.62-0.78 against 0.40 CPU s per audio s).
+    - else ONNX Runtime fp32.
+
+    An NPU runs torch in fp16; CUDA runs ONNX Runtime in fp16."""
     if device.type == "cpu":
+        if int8_calibrated and cpu_runs_int8_convs_fast():
+            return "onnx", "int8"
         return ("torch", "bf16") if cpu_runs_bf16_convs_fast() else ("onnx", "fp32")
     if device.type == "npu":
         return "torch", "fp16"

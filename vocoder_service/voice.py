@@ -49,19 +49,29 @@ class VocoderVoice:
     def frames_per_token(self) -> int:
         return self.token_decoder.config.frames_per_token if self.token_decoder is not None else 1
 
+    @property
+    def calibration_path(self) -> Path | None:
+        """`vocoder/calibration_codes.npz`, where the voice has a token decoder and brings it."""
+        if self.directory is None or self.token_decoder is None:
+            return None
+        path = self.directory / "vocoder" / CALIBRATION_NAME
+        return path if path.is_file() else None
+
+    @property
+    def int8_calibrated(self) -> bool:
+        """Whether the voice brings codes to calibrate the int8 generator on."""
+        return self.calibration_path is not None
+
     def calibration_mels(self) -> list[np.ndarray]:
         """The decoded mels `[1, num_mels, frames]` float32 of the voice's calibration codes;
         a clear error where the voice brings none."""
-        path = None if self.directory is None else self.directory / "vocoder" / CALIBRATION_NAME
-        if self.token_decoder is None or path is None or not path.is_file():
+        path, decoder = self.calibration_path, self.token_decoder
+        if path is None or decoder is None:
             raise ValueError(
                 f"voice {self.name!r} has no int8 calibration: it needs a token decoder and "
                 f"vocoder/{CALIBRATION_NAME}"
             )
-        return [
-            self.token_decoder.decode(codes)[None].astype(np.float32)
-            for codes in utterance_codes(path)
-        ]
+        return [decoder.decode(codes)[None].astype(np.float32) for codes in utterance_codes(path)]
 
 
 def utterance_codes(path: Path) -> list[np.ndarray]:

