@@ -14,10 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from splittts.vocoder.v1 import vocoder_pb2 as pb, vocoder_pb2_grpc
 from tests.test_backends import STACK_STEPS, _stacked_against_alone
 from tests.test_hifigan import V1_TINY
-from tests.test_vocoder_service import snr_db, vocoder_process
+from tests.test_vocoder_service import info_and_audio, snr_db, vocoder_process
 from tests.voices import make_random_voice
 from vocoder_service.backends import (
     OnnxBackend,
@@ -26,7 +25,7 @@ from vocoder_service.backends import (
     export_onnx,
 )
 from vocoder_service.checkpoint import resolve_checkpoint
-from vocoder_service.client import token_requests, vocode
+from vocoder_service.client import token_requests
 from vocoder_service.hifigan import Generator, HifiGanConfig
 from vocoder_service.quantize import fp32_nodes, quantize_graph
 from vocoder_service.voice import CALIBRATION_NAME, load_voice
@@ -200,22 +199,14 @@ def test_service_runs_int8_on_the_voice_calibration(tmp_path):
     rng = np.random.default_rng(0)
     write_calibration(voice_dir, [list(rng.integers(0, 64, 40)) for _ in range(3)])
     codes = rng.integers(0, 64, 60)
-    proc = vocoder_process(voice_dir, tmp_path / "cache", "--int8", "--max-streams", "2")
-    try:
-        with proc.channel() as ch:
-            info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
-            result = vocode(ch, token_requests(codes, 7))
-    finally:
-        assert proc.stop() == 0
+    info, result = info_and_audio(
+        vocoder_process(voice_dir, tmp_path / "cache", "--int8", "--max-streams", "2"),
+        token_requests(codes, 7),
+    )
     assert (info.backend, info.precision) == ("onnxruntime", "int8")
     # with no flags the service picks int8 for a calibrated voice where the CPU runs it fast
     # (the graphs come from the cache the first process wrote)
-    proc = vocoder_process(voice_dir, tmp_path / "cache")
-    try:
-        with proc.channel() as ch:
-            auto = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
-    finally:
-        assert proc.stop() == 0
+    auto, _ = info_and_audio(vocoder_process(voice_dir, tmp_path / "cache"))
     kind, precision = auto_backend(torch.device("cpu"), int8_calibrated=True)
     assert (auto.backend, auto.precision) == (
         "onnxruntime" if kind == "onnx" else kind,

@@ -46,6 +46,17 @@ def vocoder_process(voice_dir, cache, *flags: str) -> ServiceProcess:
     )
 
 
+def info_and_audio(proc: ServiceProcess, requests=None):
+    """The service's GetInfo and, given requests, what it vocodes for them; then it stops."""
+    try:
+        with proc.channel() as ch:
+            info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
+            result = None if requests is None else vocode(ch, requests)
+    finally:
+        assert proc.stop() == 0
+    return info, result
+
+
 @pytest.fixture(scope="module")
 def service(voice_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
@@ -95,13 +106,7 @@ def test_default_backend_follows_the_cpu(voice_dir, tmp_path, speech_mel, offlin
     """With no --backend the service picks by the CPU: torch in bf16 where it runs bf16
     convolutions fast (AMX, or AVX-512 BF16 on AMD), else ONNX Runtime in fp32; either way its
     audio is the fp32 audio to within bf16's rounding."""
-    proc = vocoder_process(voice_dir, tmp_path)
-    try:
-        with proc.channel() as ch:
-            info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(pb.GetInfoRequest(), timeout=10)
-            result = vocode(ch, mel_requests(speech_mel, 3))
-    finally:
-        assert proc.stop() == 0
+    info, result = info_and_audio(vocoder_process(voice_dir, tmp_path), mel_requests(speech_mel, 3))
     expected = ("torch", "bf16") if cpu_runs_bf16_convs_fast() else ("onnxruntime", "fp32")
     assert (info.backend, info.precision) == expected
     offline = offline_backend.run(speech_mel[None])[0]

@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument(
         "--int8",
         action="store_true",
-        help="run the generator's convolutions in int8 (ONNX Runtime on the CPU, calibrated on "
-        "the voice's vocoder/calibration_codes.npz; the last upsampling stage stays fp32)",
+        help="run the generator's residual blocks in int8, but the last stage's (ONNX Runtime "
+        "on the CPU, calibrated on the voice's vocoder/calibration_codes.npz)",
     )
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
     p.add_argument(

@@ -69,8 +69,8 @@ class Backend:
 
     @property
     def precision(self) -> str:
-        """ "fp32", "fp16", "bf16" or "int8": what the generator computes in ("int8": its
-        convolutions, on 8-bit weights and inputs)."""
+        """ "fp32", "fp16", "bf16" or "int8": what the generator computes in ("int8": the
+        convolutions `quantize.py` chooses, on 8-bit weights and inputs)."""
         raise NotImplementedError
 
     def run(self, mel: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -322,9 +322,9 @@ class OnnxBackend(Backend):
     """ONNX Runtime over an export cached by checkpoint and config; CUDA in fp16 when present.
 
     `use_cuda` / `fp16`: None picks CUDA (then fp16) when onnxruntime has its CUDA provider;
-    `int8` runs the convolutions in int8 on the CPU (`quantize.py`), calibrated on
-    `calibration` (mels `[1, num_mels, frames]`, `VocoderVoice.calibration_mels`) with the last
-    `fp32_stages` upsampling stages kept fp32; each graph is quantised once and cached by
+    `int8` runs the residual blocks in int8 on the CPU (`quantize.py`), calibrated on
+    `calibration` (mels `[1, num_mels, frames]`, `VocoderVoice.calibration_mels`), but those of
+    the last `fp32_stages` upsampling stages; each graph is quantised once and cached by
     checkpoint, calibration and stages. `intra_op_threads` 0 is ORT's default (all cores);
     `cache_dir` overrides `default_cache_dir()`. `exported` tells whether this instance wrote
     the model (False: it came from the cache).

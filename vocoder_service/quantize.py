@@ -32,9 +32,8 @@ from vocoder_service.hifigan import HifiGanConfig
 # the range of sizes the chunk policy gives (`chunking.py`)
 CALIBRATION_CHUNKS = (4, 8, 16, 32, 64)
 FP32_STAGES = 1
-QUANTIZATION_VERSION = (
-    2  # bump when what is quantised, or how, changes: cached graphs are keyed by it
-)
+# bump when what is quantised, or how, changes: cached graphs are keyed by it
+QUANTIZATION_VERSION = 2
 
 
 def check_fp32_stages(config: HifiGanConfig, fp32_stages: int) -> None:

@@ -7,7 +7,7 @@ with the same speech codes vocoded by each generator precision, side by side.
 
 Each sentence goes through the deployed decoding once (espeak-ng phonemes, the voice's LM with
 its phoneme-synchronous plan, greedy); its codes go through the voice's token decoder once; only
-the generator differs: ONNX Runtime fp32 (the service's default) and torch bf16 (`--bf16
+the generator differs: ONNX Runtime fp32 and torch bf16 (`--bf16
 --backend torch`) and, with `--int8`, ONNX Runtime int8 calibrated on the voice's calibration
 codes, each streamed chunk by chunk as the service runs it on a CPU. Also printed:
 each generator's CPU seconds per audio second on one thread, measured in the same run,
