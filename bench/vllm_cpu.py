@@ -4,6 +4,9 @@ vLLM runs in its own venv (never the project's) as a subprocess of this script t
 timing as JSON; it runs twice, with its default threading and with both cores bound
 (`VLLM_CPU_OMP_THREADS_BIND=0-1`, LD_PRELOAD of tcmalloc and iomp), and the better run counts.
 Our engine runs the workload once before vLLM's runs and once after, and the mean counts.
+Beside the speedup, the run measures this CPU's matmul peak and reports the workload's FLOP floor
+(`flop_floor`): the tokens per second that its weight multiplies alone allow at that peak, each
+engine's rate of them, and so the most any engine could be ahead of vLLM here.
 
     python -m bench.vllm_cpu [--quick] [--json] [--dtype float32|bfloat16] [--venv DIR]
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -207,6 +211,25 @@ class Ours:
         }
 
 
+def flop_floor(requests, peak_gflop_per_s: float, ours: dict, vllm: dict) -> dict:
+    """The workload's weight multiplies (`projection_flops`) at this CPU's matmul peak, measured
+    in the same run: no engine makes more tokens per second than `ceiling_tokens_per_s`, so
+    `ceiling_vs_vllm` bounds any speedup over vLLM's run."""
+    from bench.workload import output_tokens, projection_flops
+
+    flops = projection_flops("qwen3", requests)
+    ceiling = output_tokens(requests) / (flops / (peak_gflop_per_s * 1e9))
+    ours_s = statistics.fmean(r["elapsed_s"] for r in ours["runs"])
+    return {
+        "projection_tflop": flops / 1e12,
+        "matmul_peak_gflop_per_s": peak_gflop_per_s,
+        "ceiling_tokens_per_s": ceiling,
+        "ours_projection_gflop_per_s": flops / ours_s / 1e9,
+        "vllm_projection_gflop_per_s": flops / vllm["elapsed_s"] / 1e9,
+        "ceiling_vs_vllm": ceiling / vllm["tokens_per_s"],
+    }
+
+
 def _our_params(n: int):
     from text_service.sampling_params import SamplingParams
 
@@ -255,6 +278,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     engine = Ours(model, args.dtype, requests, args.threads)
     log(f"ours, before vLLM: {engine.run():.1f} tok/s")
+    import torch
+
+    from bench.amx_linear import matmul_peak
+
+    peak = matmul_peak(getattr(torch, args.dtype))  # on the engine's threads, between its runs
     modes, skipped = {"default": {}}, None
     iomp = find_iomp(args.venv)
     if ensure_tcmalloc(not args.no_install) and iomp is not None:
@@ -288,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["greedy_first_two_equal"] = (
         ours["first_outputs"] == report["runs"][best]["first_outputs"]
     )
+    report["flop_floor"] = flop_floor(requests, peak, ours, report["runs"][best])
     report["notes"] = [
         "tokens/s over the timed generate only (vLLM start-up and warm-up excluded); ours is "
         "the mean of a run before and a run after vLLM's",
@@ -324,6 +353,15 @@ def main(argv: list[str] | None = None) -> dict:
         )
         print(
             f"{'greedy tokens of 2 requests equal':36}{str(report['greedy_first_two_equal']):>10}"
+        )
+        floor = report["flop_floor"]
+        print(
+            f"{'ceiling at the matmul peak':36}{floor['ceiling_tokens_per_s']:>10.1f} tok/s"
+            f"  ({floor['projection_tflop']:.2f} TFLOP of projections at "
+            f"{floor['matmul_peak_gflop_per_s']:.0f} GFLOP/s; ours "
+            f"{floor['ours_projection_gflop_per_s']:.0f}, vLLM "
+            f"{floor['vllm_projection_gflop_per_s']:.0f}; at most "
+            f"{floor['ceiling_vs_vllm']:.2f}x vLLM)"
         )
         for note in report["notes"]:
             print("note:", note)

@@ -181,3 +181,29 @@ def count_parameters(kind: str) -> int:
     with torch.device("meta"):
         model = model_cls(config_cls(**MODEL_KINDS[kind]))
     return sum(p.numel() for p in model.parameters())
+
+
+def linear_parameters(kind: str) -> tuple[int, int]:
+    """(decoder, head): the weights of `kind`'s decoder projections (every `nn.Linear` of its
+    layers) and of its LM head, counted on a meta-device build of the HF model."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {
+        "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[kind]
+    with torch.device("meta"):
+        model = model_cls(config_cls(**MODEL_KINDS[kind]))
+    body = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    return body, model.lm_head.weight.numel()
+
+
+def projection_flops(kind: str, requests: list[Request]) -> float:
+    """FLOPs of the weight multiplies any engine must do for `requests` on `kind`: the decoder's
+    projections on every prompt token and on every generated token but the last (the one never
+    fed back), the LM head on one row per generated token (the prompt's last position, then each
+    decode step). Attention, norms and the rest are not counted: a floor, not a model of a step."""
+    body, head = linear_parameters(kind)
+    rows = sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in requests)
+    return 2.0 * (body * rows + head * output_tokens(requests))
