@@ -94,6 +94,7 @@ MACHINE_CORES = frozenset(os.sched_getaffinity(0))
 AUTO = ["--threads", "1"]  # the vocoder picks its precision by the CPU (`auto_backend`)
 BF16 = ["--backend", "torch", "--bf16", "--threads", "1"]
 INT8 = ["--backend", "onnx", "--int8", "--threads", "1"]
+INT8_TORCH = ["--backend", "torch", "--int8", "--threads", "1"]
 LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
     "the CPU's precision, vocoder on both cores, 2 workers (default)": (AUTO, None),
     "as the default, at Python's 5 ms GIL switch interval": ([*AUTO, "--gil-switch-ms", "5"], None),
@@ -102,6 +103,7 @@ LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
     "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], {}),
     "int8 onnxruntime, vocoder on both cores, 2 workers": (INT8, None),
     "int8 onnxruntime, pinned": (INT8, PINNED),
+    "int8 torch (bf16 elsewhere), vocoder on both cores, 2 workers": (INT8_TORCH, None),
     "fp32 onnxruntime, vocoder on both cores, 2 workers": (
         ["--backend", "onnx", "--threads", "1"],
         None,

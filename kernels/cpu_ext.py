@@ -439,6 +439,19 @@ def mean_joined(
     return sum(parts[1:], parts[0]) / len(parts), rests
 
 
+def quantize_u8(x: Tensor, scale: float, zero_point: int) -> Tensor:
+    """`x` (fp32 or bf16) as uint8 on the affine grid of `scale` and `zero_point`:
+    `clamp(round(x * (1 / scale)) + zero_point, 0, 255)`, rounding half to even, in `x`'s memory
+    layout (the compiled kernel where `x` is dense)."""
+    dense = x.is_contiguous() or (
+        x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    )
+    if _compiled(x) and dense and build() is None:
+        return torch.ops.splittts_kernels.quantize_u8(x, scale, zero_point)
+    q = torch.round(x.float() * (1.0 / scale)) + zero_point
+    return q.clamp_(0, 255).to(torch.uint8)
+
+
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 

@@ -7,12 +7,15 @@ and a stride-8 transposed conv from 562 to 84 us with the weight packed at load.
 the same arithmetic (equal to F.conv2d's on the shapes tested in tests/test_kernels_onednn_conv.py).
 
 Weights are `[out, in, 1, k]` (conv) or `[in, out, 1, k]` (transposed conv) in fp32 or bf16;
-inputs `[B, C, 1, T]` of the same dtype, best in channels-last layout.
+inputs `[B, C, 1, T]` of the same dtype, best in channels-last layout. `QuantizedConv` runs a
+conv in int8 (oneDNN's u8s8 convolution, AVX-512 VNNI's `vpdpbusd`).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import cpu_ext
 from kernels.linear import onednn_available
 
 # oneDNN picks a blocked layout for an expected input width; streaming chunks are about this long
@@ -116,3 +119,46 @@ def conv_transpose2d(
     return torch.ops.mkldnn._convolution_transpose_pointwise(
         x, packed, bias, [0, padding], [0, 0], [1, stride], [1, 1], 1, "none", [], ""
     )
+
+
+def int8_available() -> bool:
+    return onednn_available() and hasattr(torch.ops.onednn, "qconv2d_pointwise")
+
+
+class QuantizedConv:
+    """A height-1 conv in int8 through oneDNN: the weight `[out, in, 1, k]` rounded to int8 per
+    output channel (symmetric, packed once), the input to uint8 on the affine grid `scale`,
+    `zero_point` that the caller measured for it (`cpu_ext.quantize_u8`), sums in int32; the
+    output in the input's dtype (fp32 or bf16), bias added in fp32.
+
+    Called as `conv(x, padding)` on `[B, C, 1, T]`: zero padding is added before the rounding,
+    so a padded sample is the grid's nearest value to 0, as in the float conv."""
+
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, dilation: int, scale: float, zero_point: int
+    ):
+        if not scale > 0 or not 0 <= zero_point <= 255:
+            raise ValueError(
+                f"need scale > 0 and zero_point in [0, 255] (got {scale} and {zero_point})"
+            )
+        w = weight.detach().float()
+        self.weight_scales = (w.abs().amax(dim=(1, 2, 3)) / 127).clamp_min(1e-12)
+        q = torch.round(w / self.weight_scales[:, None, None, None]).clamp_(-127, 127)
+        self.weight = q.to(torch.int8)
+        self.weight_zero_points = torch.zeros(w.shape[0], dtype=torch.int64)
+        self.bias = None if bias is None else bias.detach().float()
+        self.dilation, self.scale, self.zero_point = dilation, float(scale), int(zero_point)
+        self._packed = torch.ops.onednn.qconv_prepack(
+            self.weight, self.weight_scales, self.scale, self.zero_point,
+            [1, 1], [0, 0], [1, dilation], 1, None,
+        )  # fmt: skip
+
+    def __call__(self, x: Tensor, padding: int = 0) -> Tensor:
+        if padding:
+            x = F.pad(x, (padding, padding))
+        q = cpu_ext.quantize_u8(x, self.scale, self.zero_point)
+        return torch.ops.onednn.qconv2d_pointwise(
+            q, self.scale, self.zero_point, self._packed, self.weight_scales,
+            self.weight_zero_points, self.bias, [1, 1], [0, 0], [1, self.dilation], 1,
+            1.0, 0, x.dtype, "none", [], "",
+        )  # fmt: skip

@@ -51,10 +51,11 @@ def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
     return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - test) ** 2), 1e-20)))
 
 
-def vocoder_precision(deployment) -> str:
+def vocoder_info(deployment) -> tuple[str, str]:
+    """The vocoder service's (backend, precision)."""
     with grpc.insecure_channel(deployment.by_name("vocoder-service").address) as ch:
         info = vocoder_pb2_grpc.VocoderStub(ch).GetInfo(vocoder_pb2.GetInfoRequest(), timeout=10)
-    return info.precision
+    return info.backend, info.precision
 
 
 # How far apart the same codes come out of the service when only the chunk boundaries differ
@@ -70,7 +71,7 @@ def test_seeded_synthesis_is_reproducible(deployment):
     c, _ = synthesize(deployment.address, SENTENCE, seed=12, temperature=0.8)
     assert report.audio_s > 1.0 and report.num_speech_tokens > 40
     # same seed, same tokens: compare as audio, not bytes
-    bound = SAME_CODES_DB.get(vocoder_precision(deployment), 40.0)
+    bound = SAME_CODES_DB.get(vocoder_info(deployment)[1], 40.0)
     assert len(a) == len(b) and snr_db(a, b) >= bound
     assert len(a) != len(c) or snr_db(a, c) < 20.0
 
@@ -120,11 +121,11 @@ def test_stream_equals_offline_vocoding(deployment):
     codes = np.array([t - lo for t in ids if lo <= t <= hi])
     assert len(codes) == report.num_speech_tokens
     voice = load_voice(VOICE)
-    precision = vocoder_precision(deployment)
+    runtime, precision = vocoder_info(deployment)
     mel = voice.token_decoder.decode(codes)[None]
-    # offline in the precision the service runs; int8's streaming graphs are quantised apart
-    # from its offline graph, so int8 runs the same streaming graphs in one call here
-    if precision == "int8":
+    # offline in the runtime and precision the service runs; ONNX Runtime's int8 streaming
+    # graphs are quantised apart from its offline graph, so it runs them in one call here
+    if precision == "int8" and runtime == "onnxruntime":
         backend = OnnxBackend(
             voice.generator, intra_op_threads=1, int8=True, calibration=voice.calibration_mels()
         )
@@ -132,8 +133,13 @@ def test_stream_equals_offline_vocoding(deployment):
         offline = np.concatenate([head, backend.run_stream(mel[:, :, :0], state, final=True)[0]])
     else:
         backend = (
-            TorchBackend(voice.generator, bf16=True)
-            if precision == "bf16"
+            TorchBackend(
+                voice.generator,
+                bf16=True,
+                int8=precision == "int8",
+                calibration=voice.calibration_mels() if precision == "int8" else None,
+            )
+            if precision in ("bf16", "int8")
             else OnnxBackend(voice.generator, intra_op_threads=1)
         )
         offline = backend.run(mel)[0]

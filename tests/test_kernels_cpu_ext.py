@@ -536,3 +536,28 @@ def test_channels_last_join_of_plain_tensors_uses_torch() -> None:
     assert_own_copy(tail, joined[..., -3:])
     with pytest.raises(ValueError, match="channels-last layout"):
         torch.ops.splittts_kernels.join_channels_last(first, then, 0.2, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous", "strided"])
+def test_quantize_u8_equals_torch(dtype, layout) -> None:
+    """An activation rounded to uint8 for an int8 convolution: torch's affine rounding (half to
+    even, clamped to [0, 255]) in the input's layout, lengths off the vector width, through the
+    compiled kernel (dense inputs) or the reference (a slice)."""
+    scale, zero_point = 0.25, 37  # a power of two: the ties below are exact
+    x = torch.randn(2, 48, 1, 1037) * 20
+    x[0, 0, 0, :6] = torch.tensor([2.5, 3.5, -1.85, 300.0, -100.0, 0.0]) * scale
+    x = x.to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = x[..., 3:]
+    got = cpu_ext.quantize_u8(x, scale, zero_point)
+    want = (torch.round(x.float() * (1 / scale)) + zero_point).clamp(0, 255).to(torch.uint8)
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+    if layout == "channels_last":
+        assert got.is_contiguous(memory_format=torch.channels_last)
+    # ties go to even, the extremes clamp, 0 lands exactly on the zero point
+    assert got[0, 0, 0, :6].tolist() == [39, 41, 35, 255, 0, 37] or layout == "strided"
+    with pytest.raises(ValueError, match="need scale > 0 and zero_point in"):
+        torch.ops.splittts_kernels.quantize_u8(x.contiguous(), scale, 256)

@@ -1,6 +1,7 @@
 """The generator in int8 (`vocoder_service/quantize.py`): which convolutions stay fp32, the
-quantised offline and streaming graphs against fp32, their cache, the voice's calibration
-codes, and the service run with `--int8`."""
+quantised offline and streaming graphs against fp32, their cache, torch's int8 generator on
+oneDNN (its layers, its audio, its cached ranges), the voice's calibration codes, and the
+service run with `--int8` on both runtimes."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kernels import onednn_conv
 from tests.test_backends import STACK_STEPS, _stacked_against_alone
 from tests.test_hifigan import V1_TINY
 from tests.test_vocoder_service import info_and_audio, snr_db, vocoder_process
 from tests.voices import make_random_voice
+from vocoder_service import quantize
 from vocoder_service.backends import (
     OnnxBackend,
+    TorchBackend,
     auto_backend,
     cpu_runs_int8_convs_fast,
     export_onnx,
@@ -27,7 +31,7 @@ from vocoder_service.backends import (
 from vocoder_service.checkpoint import resolve_checkpoint
 from vocoder_service.client import token_requests
 from vocoder_service.hifigan import Generator, HifiGanConfig
-from vocoder_service.quantize import fp32_nodes, quantize_graph
+from vocoder_service.quantize import fp32_nodes, int8_blocks, quantize_graph
 from vocoder_service.voice import CALIBRATION_NAME, load_voice
 
 TINY = HifiGanConfig.from_dict(V1_TINY)
@@ -165,6 +169,80 @@ def test_int8_backend_refuses_what_it_cannot_run(tiny, tmp_path, kwargs, match):
     assert not list(tmp_path.glob("*int8*"))
 
 
+needs_onednn_int8 = pytest.mark.skipif(
+    not (onednn_conv.int8_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="torch's int8 generator needs oneDNN's int8 convolutions and bf16",
+)
+
+
+@needs_onednn_int8
+def test_torch_int8_runs_the_early_residual_blocks_on_onednn_int8(tiny, tmp_path):
+    backend = TorchBackend(
+        tiny, bf16=True, int8=True, calibration=mels(3, 60, 0), cache_dir=tmp_path
+    )
+    assert backend.precision == "int8"
+    g = backend.generator
+    blocks = int8_blocks(TINY, 1)
+    assert 0 < blocks < len(g.resblocks)
+    for i, block in enumerate(g.resblocks):
+        for conv in (m for m in block.modules() if isinstance(m, torch.nn.Conv1d)):
+            packed = conv.packed_weight
+            assert isinstance(packed, onednn_conv.QuantizedConv) == (i < blocks)
+            assert isinstance(packed, onednn_conv.PackedConv) == (i >= blocks)
+            if i < blocks:  # the grid spans what calibration saw, 0 included
+                assert packed.scale > 0 and 0 < packed.zero_point < 255
+    for edge in (g.conv_pre, g.conv_post, *g.ups):
+        assert not isinstance(edge.packed_weight, onednn_conv.QuantizedConv)
+
+
+@needs_onednn_int8
+def test_torch_int8_streams_close_to_fp32_and_caches_its_ranges(tiny, tmp_path, monkeypatch):
+    calibration = mels(4, 60, 0)
+    int8 = TorchBackend(tiny, bf16=True, int8=True, calibration=calibration, cache_dir=tmp_path)
+    mel = mels(1, 50, 2)[0]
+    want = TorchBackend(tiny).run(mel)[0]
+    got = streamed(int8, mel)
+    assert len(got) == len(want) == 50 * 256
+    assert snr_db(want, got) > 25  # 31 dB here; a broken conv gives noise near 0 dB
+    assert snr_db(int8.run(mel)[0], got) > 40  # offline synthesis, up to bf16's rounding
+    together, alone = _stacked_against_alone(int8, mels(3, 38, 5), STACK_STEPS)
+    for t, a in zip(together, alone):
+        assert snr_db(a, t) > 40
+    # the ranges are cached by checkpoint and calibration: a second backend measures nothing
+    (cached,) = tmp_path.glob("*-torch-int8-*.json")
+    assert sorted(json.loads(cached.read_text())) == sorted(
+        f"resblocks.{i}.{name}"
+        for i, block in enumerate(int8.generator.resblocks[: int8_blocks(TINY, 1)])
+        for name, m in block.named_modules()
+        if isinstance(m, torch.nn.Conv1d)
+    )
+
+    def no_calibration(*args):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(quantize, "calibration_calls", no_calibration)
+    again = TorchBackend(tiny, bf16=True, int8=True, calibration=calibration, cache_dir=tmp_path)
+    np.testing.assert_array_equal(streamed(again, mel), got)
+    with pytest.raises(AssertionError, match="calibrated again"):
+        TorchBackend(tiny, bf16=True, int8=True, calibration=mels(2, 60, 9), cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(int8=True, calibration=[np.zeros((1, 80, 8))]), "the rest of the generator in bf16"),
+        (dict(int8=True, bf16=True), "int8 needs calibration mels"),
+        (dict(int8=True, bf16=True, calibration=[np.zeros((1, 80, 8))], fp32_stages=9), "fp32_"),
+    ],
+)
+def test_torch_int8_refuses_what_it_cannot_run(tiny, tmp_path, kwargs, match):
+    if "fp32_stages" in kwargs and not onednn_conv.int8_available():
+        pytest.skip("no oneDNN int8 convolutions here")
+    with pytest.raises(ValueError, match=match):
+        TorchBackend(tiny, cache_dir=tmp_path, **kwargs)
+    assert not list(tmp_path.glob("*int8*"))
+
+
 def write_calibration(voice_dir, codes: list[list[int]]) -> None:
     np.savez(
         voice_dir / "vocoder" / CALIBRATION_NAME,
@@ -192,20 +270,29 @@ def test_voice_calibration_codes_decode_to_mels(tmp_path):
         load_voice(voice_dir).calibration_mels()
 
 
-def test_service_runs_int8_on_the_voice_calibration(tmp_path):
+@pytest.mark.parametrize(
+    "runtime",
+    ["onnx", pytest.param("torch", marks=needs_onednn_int8)],
+)
+def test_service_runs_int8_on_the_voice_calibration(tmp_path, runtime):
     """`--int8`: the real pretrained V1 quantised on the voice's codes, a token stream vocoded
-    through the int8 streaming graphs, close to the fp32 offline audio."""
+    through the int8 streaming generator of either runtime, close to the fp32 offline audio."""
     voice_dir = make_random_voice(tmp_path / "voices")
     rng = np.random.default_rng(0)
     write_calibration(voice_dir, [list(rng.integers(0, 64, 40)) for _ in range(3)])
     codes = rng.integers(0, 64, 60)
     info, result = info_and_audio(
-        vocoder_process(voice_dir, tmp_path / "cache", "--int8", "--max-streams", "2"),
+        vocoder_process(
+            voice_dir, tmp_path / "cache", "--int8", "--backend", runtime, "--max-streams", "2"
+        ),
         token_requests(codes, 7),
     )
-    assert (info.backend, info.precision) == ("onnxruntime", "int8")
+    assert (info.backend, info.precision) == (
+        "onnxruntime" if runtime == "onnx" else runtime,
+        "int8",
+    )
     # with no flags the service picks int8 for a calibrated voice where the CPU runs it fast
-    # (the graphs come from the cache the first process wrote)
+    # (what it needs comes from the cache the first process wrote)
     auto, _ = info_and_audio(vocoder_process(voice_dir, tmp_path / "cache"))
     kind, precision = auto_backend(torch.device("cpu"), int8_calibrated=True)
     assert (auto.backend, auto.precision) == (
@@ -222,19 +309,17 @@ def test_service_runs_int8_on_the_voice_calibration(tmp_path):
     assert snr_db(want, result.audio) > 5
 
 
-def test_int8_flag_needs_the_onnx_backend_and_a_calibrated_voice(tmp_path):
+def test_int8_flag_needs_the_cpu_and_a_calibrated_voice(tmp_path):
     import subprocess
     import sys
 
     from tests.procs import ROOT
 
     voice_dir = make_random_voice(tmp_path)
+    missing = f"has no int8 calibration: it needs a token decoder and vocoder/{CALIBRATION_NAME}"
     for flags, match in (
-        (("--int8", "--backend", "torch"), "--int8 runs on the onnx backend"),
-        (
-            ("--int8",),
-            f"has no int8 calibration: it needs a token decoder and vocoder/{CALIBRATION_NAME}",
-        ),
+        (("--int8",), missing),
+        (("--int8", "--backend", "torch"), missing),
     ):
         r = subprocess.run(
             [sys.executable, "-m", "vocoder_service", "--voice", str(voice_dir), "--port", "0",

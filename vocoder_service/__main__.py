@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=("auto", "onnx", "torch"),
         default="auto",
-        help="auto: on a CPU with AVX-512 VNNI and no AMX, ONNX Runtime int8 where the voices "
-        "bring their calibration; else torch in bf16 on a CPU with AMX or an AMD CPU with "
+        help="auto: on a CPU with AVX-512 VNNI and no AMX, int8 where the voices bring their "
+        "calibration (on torch where its bf16 convolutions are fast, else ONNX Runtime); else "
+        "torch in bf16 on a CPU with AMX or an AMD CPU with "
         "AVX-512 BF16, else ONNX Runtime (fp16 on CUDA); torch in fp16 on an NPU",
     )
     p.add_argument("--device", default="auto", help="torch backend device: auto, npu, cuda, cpu")
@@ -66,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument(
         "--int8",
         action="store_true",
-        help="run the generator's residual blocks in int8, but the last stage's (ONNX Runtime "
-        "on the CPU, calibrated on the voice's vocoder/calibration_codes.npz)",
+        help="run the generator's residual blocks in int8, but the last stage's, on the CPU, "
+        "calibrated on the voice's vocoder/calibration_codes.npz: on torch (oneDNN, the rest in "
+        "bf16) or ONNX Runtime (the rest in fp32); auto picks torch where the CPU's bf16 "
+        "convolutions are fast",
     )
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = library default)")
     p.add_argument(
@@ -165,7 +168,13 @@ def load(args: argparse.Namespace):
 
     from servicekit.device import select_device
     from servicekit.memory import keep_onednn_primitives, retain_freed_memory
-    from vocoder_service.backends import Backend, OnnxBackend, TorchBackend, auto_backend
+    from vocoder_service.backends import (
+        Backend,
+        OnnxBackend,
+        TorchBackend,
+        auto_backend,
+        int8_runtime,
+    )
     from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import VocoderVoice, load_voice
 
@@ -179,8 +188,6 @@ def load(args: argparse.Namespace):
         voices = [load_voice(d) for d in dirs]
     if args.bf16 and args.backend == "onnx":
         raise ValueError("--bf16 runs on the torch backend: use --backend torch or auto")
-    if args.int8 and args.backend == "torch":
-        raise ValueError("--int8 runs on the onnx backend: use --backend onnx or auto")
     device = select_device(args.device)
     if args.int8 and device.type != "cpu":
         raise ValueError(f"--int8 runs on the CPU (got --device {args.device})")
@@ -190,7 +197,8 @@ def load(args: argparse.Namespace):
     if args.bf16:
         kind, precision = "torch", "bf16"
     elif args.int8:
-        kind, precision = "onnx", "int8"
+        kind = int8_runtime() if args.backend == "auto" else args.backend
+        precision = "int8"
     elif args.fp16:
         precision = "fp16"
     if args.threads > 0:
@@ -213,11 +221,14 @@ def load(args: argparse.Namespace):
                     calibration=voice.calibration_mels() if int8 else None,
                 )
             else:
+                int8 = precision == "int8"
                 by_generator[key] = TorchBackend(
                     voice.generator,
                     fp16=precision == "fp16",
-                    bf16=precision == "bf16",
+                    bf16=precision in ("bf16", "int8"),
                     device=device,
+                    int8=int8,
+                    calibration=voice.calibration_mels() if int8 else None,
                 )
         backends[voice.name] = by_generator[key]
     return voices, backends

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -15,13 +15,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from kernels import onednn_conv
 from vocoder_service.checkpoint import GeneratorCheckpoint, load_generator, resolve_checkpoint
 from vocoder_service.chunking import ForwardShape
 from vocoder_service.hifigan import Generator, HifiGanConfig
 from vocoder_service.quantize import (
     FP32_STAGES,
-    QUANTIZATION_VERSION,
+    calibration_key,
     check_fp32_stages,
+    quantize_generator,
     quantize_graph,
     stream_feeds,
 )
@@ -145,7 +147,11 @@ class TorchBackend(Backend):
 
     On the CPU, bf16 runs the height-1 2-D form in channels-last layout on weights packed once
     for oneDNN (`Generator.pack_for_onednn`): where `cpu_runs_bf16_convs_fast` the fastest
-    generator here.
+    generator here. `int8` (CPU, with bf16) runs the residual blocks of all but the last
+    `fp32_stages` stages on oneDNN's int8 convolutions instead, calibrated on `calibration` (mels
+    `[1, num_mels, frames]`, `VocoderVoice.calibration_mels`); their input ranges are measured
+    once and cached by checkpoint, calibration and stages (`cache_dir`, else
+    `default_cache_dir()`).
     """
 
     name = "torch"
@@ -157,20 +163,67 @@ class TorchBackend(Backend):
         device: str | torch.device = "cpu",
         fp16: bool = False,
         bf16: bool = False,
+        int8: bool = False,
+        calibration: Sequence[np.ndarray] | None = None,
+        fp32_stages: int = FP32_STAGES,
+        cache_dir: str | Path | None = None,
     ):
         if fp16 and bf16:
             raise ValueError("choose one of fp16 and bf16")
+        if int8 and not (bf16 and torch.device(device).type == "cpu"):
+            raise ValueError("int8 runs on the CPU with the rest of the generator in bf16")
+        if int8 and not calibration:
+            raise ValueError("int8 needs calibration mels (a voice's calibration codes)")
+        if int8 and not onednn_conv.int8_available():
+            raise ValueError("int8 needs oneDNN's int8 convolutions, which this torch lacks")
         dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+        checkpoint = None
         if not isinstance(generator, Generator):
-            generator = load_generator(generator)
+            checkpoint = (
+                generator
+                if isinstance(generator, GeneratorCheckpoint)
+                else resolve_checkpoint(generator)
+            )
+            generator = load_generator(checkpoint)
         self.generator = generator.remove_weight_norm().eval().to(device=device, dtype=dtype)
         self.config = generator.config
         self.dtype = dtype
+        self.int8 = int8
         self._device = torch.device(device)
         self._channels_last = bf16 and self._device.type == "cpu"
         if self._channels_last:
             self.generator.pack_for_onednn()
         self._streamer = StreamingGenerator(self.generator)
+        if int8:
+            check_fp32_stages(self.config, fp32_stages)
+            mels = [np.ascontiguousarray(m, dtype=np.float32) for m in calibration or []]
+            self._quantize(checkpoint, mels, fp32_stages, cache_dir)
+
+    def _quantize(
+        self,
+        checkpoint: GeneratorCheckpoint | None,
+        mels: list[np.ndarray],
+        fp32_stages: int,
+        cache_dir: str | Path | None,
+    ) -> None:
+        """Calibrate (or read the cached ranges) and put the int8 convolutions in place. A
+        generator passed as a module has no checkpoint to key a cache by: calibrated afresh."""
+        path = None
+        if checkpoint is not None:
+            cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+            key = calibration_key(mels, fp32_stages)
+            path = cache / f"hifigan-{checkpoint.fingerprint[:24]}-torch-int8-{key}.json"
+        ranges = json.loads(path.read_text()) if path is not None and path.is_file() else None
+        if ranges is None:
+            log.info("calibrating the int8 convolutions of the generator on %d mels", len(mels))
+        ranges = quantize_generator(self.generator, self.run_stream, mels, fp32_stages, ranges)
+        if path is not None and not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(ranges, f)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
 
     @property
     def device(self) -> str:
@@ -178,6 +231,8 @@ class TorchBackend(Backend):
 
     @property
     def precision(self) -> str:
+        if self.int8:
+            return "int8"
         return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, "fp32")
 
     @property
@@ -379,11 +434,7 @@ class OnnxBackend(Backend):
         self._fp32_stages = fp32_stages
         self._quantization = ""
         if int8:
-            key = hashlib.sha256(f"{QUANTIZATION_VERSION} {fp32_stages}".encode())
-            for mel in self._calibration:
-                key.update(repr(mel.shape).encode())
-                key.update(mel.tobytes())
-            self._quantization = key.hexdigest()[:12]
+            self._quantization = calibration_key(self._calibration, fp32_stages)
 
         self._cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self.model_path = self._export_path()
@@ -564,23 +615,33 @@ def cpu_runs_bf16_convs_fast() -> bool:
 
 
 def cpu_runs_int8_convs_fast() -> bool:
-    """Whether ONNX Runtime's int8 convolutions (`quantize.py`) are this CPU's fastest
-    generator: with AVX-512 VNNI, whose `vpdpbusd` does four times the multiply-adds of an fp32
-    FMA, and without AMX, whose bf16 tiles the torch generator uses instead."""
+    """Whether int8 convolutions (`quantize.py`) make this CPU's fastest generator: with
+    AVX-512 VNNI, whose `vpdpbusd` does four times the multiply-adds of an fp32 FMA, and
+    without AMX, whose bf16 tiles the torch generator uses instead."""
     return bool(torch.cpu._is_vnni_supported()) and not cpu_has_amx()
+
+
+def int8_runtime() -> str:
+    """Which runtime runs the int8 generator on this CPU: torch, on oneDNN's int8 convolutions
+    with the rest of the generator in bf16, where those bf16 convolutions are fast
+    (`cpu_runs_bf16_convs_fast`); else ONNX Runtime, the rest in fp32. On an AMD EPYC (Zen 4)
+    torch's took 0.207 CPU s per audio s streamed against ONNX Runtime's 0.264, with a third less
+    log-mel error against fp32 (bench/README.md)."""
+    return "torch" if cpu_runs_bf16_convs_fast() else "onnx"
 
 
 def auto_backend(device: torch.device, int8_calibrated: bool = False) -> tuple[str, str]:
     """(backend, precision) of the vocoder when the operator names neither: the one place that
     default is decided. On a CPU:
 
-    - ONNX Runtime int8 where `cpu_runs_int8_convs_fast` and the voices bring their int8
-      calibration (`int8_calibrated`). On an AMD EPYC (Zen 4) it took 0.244 CPU s per audio s
-      streamed, against 0.270 for bf16 and 0.532 for fp32, and the split deployment made 12-22%
-      more audio at 8 streams than with bf16, with the default voice's WER within 0.4 points
-      and DNSMOS within 0.03 of fp32 on the natural held-out set (bench/README.md). On Intel
-      CPUs with VNNI and no AMX it replaces ONNX Runtime fp32 on the same kernels' library, by
-      the instruction rates; not measured on one yet.
+    - int8 where `cpu_runs_int8_convs_fast` and the voices bring their int8 calibration
+      (`int8_calibrated`), on `int8_runtime`. On an AMD EPYC (Zen 4) ONNX Runtime's int8 took
+      0.244 CPU s per audio s streamed, against 0.270 for bf16 and 0.532 for fp32, and the split
+      deployment made 12-22% more audio at 8 streams than with bf16, with the default voice's
+      WER within 0.4 points and DNSMOS within 0.03 of fp32 on the natural held-out set; torch's
+      int8 is cheaper still there (bench/README.md). On Intel CPUs with VNNI and no AMX it
+      replaces ONNX Runtime fp32 on the same kernels' library, by the instruction rates; not
+      measured on one yet.
     - torch in bf16 where oneDNN's bf16 convolutions are fast (`cpu_runs_bf16_convs_fast`):
       about half of ONNX Runtime fp32's CPU time streamed, with WER within 0.5 points and
       DNSMOS within 0.01 of it, measured on an Intel Xeon with AMX and on an AMD EPYC. On an
@@ -591,7 +652,7 @@ def auto_backend(device: torch.device, int8_calibrated: bool = False) -> tuple[s
     An NPU runs torch in fp16; CUDA runs ONNX Runtime in fp16."""
     if device.type == "cpu":
         if int8_calibrated and cpu_runs_int8_convs_fast():
-            return "onnx", "int8"
+            return int8_runtime(), "int8"
         return ("torch", "bf16") if cpu_runs_bf16_convs_fast() else ("onnx", "fp32")
     if device.type == "npu":
         return "torch", "fp16"

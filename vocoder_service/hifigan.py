@@ -146,6 +146,8 @@ def conv(layer: nn.Conv1d, x: torch.Tensor, padding: int) -> torch.Tensor:
     if x.dim() == 3:
         return F.conv1d(x, w, layer.bias, padding=padding, dilation=d)
     packed = getattr(layer, "packed_weight", None)
+    if callable(packed):  # runs the conv itself: int8, or observed for int8's calibration
+        return packed(x, padding)
     if packed is not None:
         return onednn_conv.conv2d(x, packed, layer.bias, padding, d)
     return F.conv2d(x, w.unsqueeze(2), layer.bias, padding=(0, padding), dilation=(1, d))

@@ -4,12 +4,14 @@
 // DeltaNet's delta-rule inputs (normalised q and k, decay and write gates), new keys and values
 // into the paged caches; and for a streamed vocoder's channels-last [B, C, 1, T] activations, a
 // layer's carried input joined to its new input through a leaky ReLU, and sums (a residual's, a
-// stage's mean) whose terms are such joins, read in place without joining them. fp32 and bf16
-// tensors; all arithmetic in fp32. Rows are split across torch's intra-op threads.
+// stage's mean) whose terms are such joins, read in place without joining them, and an activation
+// rounded to uint8 for an int8 convolution. fp32 and bf16 tensors; all arithmetic in fp32. Rows
+// are split across torch's intra-op threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -723,6 +725,53 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> mean_joined(const std::vector<at
   return {out, rests};
 }
 
+
+// x as uint8 on the affine grid of (scale, zero_point): clamp(round_half_even(x * (1 / scale))
+// + zero_point, 0, 255), the input of an int8 convolution, in one pass. `x` is any dense fp32
+// or bf16 tensor; the result has its sizes and strides (a channels-last activation stays one).
+template <typename scalar_t>
+void quantize_u8_impl(const scalar_t* in, uint8_t* out, int64_t n, float inverse, float zero_point) {
+  at::parallel_for(0, n, kGrainElements, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const __m512 inv = _mm512_set1_ps(inverse), zp = _mm512_set1_ps(zero_point);
+    const __m512 lo = _mm512_setzero_ps(), hi = _mm512_set1_ps(255.0f);
+    for (; i + 16 <= end; i += 16) {
+      __m512 v;
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))), 16));
+      else
+        v = _mm512_loadu_ps(in + i);
+      v = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zp), lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(v)));
+    }
+#endif
+    for (; i < end; ++i) {
+      const float v = std::nearbyint(to_float(in[i]) * inverse) + zero_point;
+      out[i] = uint8_t(std::min(std::max(v, 0.0f), 255.0f));
+    }
+  });
+}
+
+at::Tensor quantize_u8(const at::Tensor& x, double scale, int64_t zero_point) {
+  TORCH_CHECK(x.device().is_cpu(), "quantize_u8: x must be on cpu, got ", x.device());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "quantize_u8: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.is_non_overlapping_and_dense(), "quantize_u8: x must be dense, got strides ", x.strides());
+  TORCH_CHECK_VALUE(scale > 0 && 0 <= zero_point && zero_point <= 255,
+                    "quantize_u8: need scale > 0 and zero_point in [0, 255], got ", scale, " and ", zero_point);
+  at::Tensor out = at::empty_strided(x.sizes(), x.strides(), x.options().dtype(at::kByte));
+  const float inverse = float(1.0 / scale);
+  if (x.scalar_type() == at::kFloat)
+    quantize_u8_impl(x.const_data_ptr<float>(), out.data_ptr<uint8_t>(), x.numel(), inverse, float(zero_point));
+  else
+    quantize_u8_impl(x.const_data_ptr<c10::BFloat16>(), out.data_ptr<uint8_t>(), x.numel(), inverse,
+                     float(zero_point));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
@@ -739,6 +788,7 @@ TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
   m.def("join_channels_last(Tensor first, Tensor then, float slope, int keep) -> (Tensor, Tensor)");
   m.def("add_joined_(Tensor(a!) t, Tensor first, Tensor then) -> Tensor");
   m.def("mean_joined(Tensor[] firsts, Tensor[] thens, int length) -> (Tensor, Tensor[])");
+  m.def("quantize_u8(Tensor x, float scale, int zero_point) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
@@ -753,4 +803,5 @@ TORCH_LIBRARY_IMPL(splittts_kernels, CPU, m) {
   m.impl("join_channels_last", &join_channels_last);
   m.impl("add_joined_", &add_joined_);
   m.impl("mean_joined", &mean_joined);
+  m.impl("quantize_u8", &quantize_u8);
 }

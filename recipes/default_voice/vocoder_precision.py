@@ -8,8 +8,9 @@ with the same speech codes vocoded by each generator precision, side by side.
 Each sentence goes through the deployed decoding once (espeak-ng phonemes, the voice's LM with
 its phoneme-synchronous plan, greedy); its codes go through the voice's token decoder once; only
 the generator differs: ONNX Runtime fp32 and torch bf16 (`--bf16
---backend torch`) and, with `--int8`, ONNX Runtime int8 calibrated on the voice's calibration
-codes, each streamed chunk by chunk as the service runs it on a CPU. Also printed:
+--backend torch`) and, with `--int8`, int8 calibrated on the voice's calibration codes through
+ONNX Runtime (fp32 elsewhere) and through torch's oneDNN (bf16 elsewhere), each streamed chunk
+by chunk as the service runs it on a CPU. Also printed:
 each generator's CPU seconds per audio second on one thread, measured in the same run,
 rotating which goes first. With `--compare-universal` the pretrained universal V1 runs beside
 the voice's own generator in both precisions (how a distilled generator, `distill.py`, is judged).
@@ -65,6 +66,9 @@ def generators(voice_dir: Path, compare_universal: bool = False, int8: bool = Fa
         if int8:
             tools[f"{prefix}int8 (onnxruntime)"] = OnnxBackend(
                 checkpoint, intra_op_threads=1, int8=True, calibration=voice.calibration_mels()
+            )
+            tools[f"{prefix}int8 (torch, oneDNN; bf16 elsewhere)"] = TorchBackend(
+                checkpoint, bf16=True, int8=True, calibration=voice.calibration_mels()
             )
     for name, backend in tools.items():
         if name != "voice":  # export (and quantise) the streaming graphs before any timing
