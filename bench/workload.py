@@ -169,8 +169,8 @@ def model_dir(kind: str, dtype: str = "float32") -> Path:
     return out
 
 
-def count_parameters(kind: str) -> int:
-    """Parameter count of `kind` (tied embeddings counted once)."""
+def _meta_model(kind: str):
+    """`kind`'s HF model on the meta device: its shapes, no weights."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -179,23 +179,21 @@ def count_parameters(kind: str) -> int:
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[kind]
     with torch.device("meta"):
-        model = model_cls(config_cls(**MODEL_KINDS[kind]))
-    return sum(p.numel() for p in model.parameters())
+        return model_cls(config_cls(**MODEL_KINDS[kind]))
+
+
+def count_parameters(kind: str) -> int:
+    """Parameter count of `kind` (tied embeddings counted once)."""
+    return sum(p.numel() for p in _meta_model(kind).parameters())
 
 
 def linear_parameters(kind: str) -> tuple[int, int]:
     """(decoder, head): the weights of `kind`'s decoder projections (every `nn.Linear` of its
-    layers) and of its LM head, counted on a meta-device build of the HF model."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+    layers) and of its LM head."""
+    from torch import nn
 
-    config_cls, model_cls = {
-        "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }[kind]
-    with torch.device("meta"):
-        model = model_cls(config_cls(**MODEL_KINDS[kind]))
-    body = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    model = _meta_model(kind)
+    body = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, nn.Linear))
     return body, model.lm_head.weight.numel()
 
 
