@@ -213,7 +213,7 @@ def vocoder_precision_table(report: dict) -> str:
     return (
         f"The same speech codes of {report['sentences']} held-out sentences vocoded by each "
         "generator precision, streamed (`python -m recipes.default_voice.vocoder_precision`); "
-        "scored as above; the teacher on the same sentences is the en_natural rows of the table above. The vocoder service runs int8 by default on a CPU with AVX-512 VNNI and no AMX (on an AMD EPYC 100 natural held-out sentences scored WER 7.64% in fp32 and 8.01% in int8, DNSMOS 2.534 and 2.506, `--int8`), and bf16 on a CPU with AMX (on an AMD EPYC the same 200 sentences scored WER 8.89% in fp32 and 9.40% in bf16, DNSMOS 2.534 and 2.532).\n\n"
+        "scored as above; the teacher on the same sentences is the en_natural rows of the table above. The vocoder service runs int8 by default on a CPU with AVX-512 VNNI and no AMX (on an AMD EPYC 100 natural held-out sentences scored WER 7.74% in fp32, 8.01% in int8 on torch's oneDNN with bf16 around it, the default there, and 7.74% in int8 on ONNX Runtime; DNSMOS 2.534, 2.525 and 2.506; `--int8`), and bf16 on a CPU with AMX (on an AMD EPYC the same 200 sentences scored WER 8.89% in fp32 and 9.40% in bf16, DNSMOS 2.534 and 2.532).\n\n"
         "| generator | WER | DNSMOS |\n|---|---|---|\n" + rows
     )
 

@@ -1,5 +1,5 @@
-"""The vocoder in int8 through ONNX Runtime's static quantisation: its calibration, and its
-score on the voice.
+"""The vocoder in int8: its calibration (both runtimes'), and ONNX Runtime's offline score on
+the voice.
 
     python -m recipes.default_voice.vocoder_int8 calibrate [--voice voices/default]
     python -m recipes.default_voice.vocoder_int8 score [--voice voices/default] [--count 100]
@@ -7,10 +7,10 @@ score on the voice.
 `calibrate` writes the voice's `vocoder/calibration_codes.npz`: the speech codes of the
 teachers' audio of `--en` English and `--zh` Mandarin training sentences (never the held-out
 ones), each cut to `--frames` mel frames. The vocoder service decodes them and calibrates its
-int8 graphs on them (`vocoder_service/quantize.py`, `--int8`).
+int8 generator on them, torch's or ONNX Runtime's (`vocoder_service/quantize.py`, `--int8`).
 
-`score` vocodes the natural held-out sentences offline on one thread with fp32, the service's
-int8 (the residual blocks of all but the last upsampling stage in int8) and int8 in every
+`score` vocodes the natural held-out sentences offline on one thread through ONNX Runtime with
+fp32, the service's int8 (the residual blocks of all but the last upsampling stage in int8) and int8 in every
 stage's residual blocks, scored as
 `vocoder_precision.py` scores (WER, DNSMOS, CPU s per audio s). The service's streamed int8 is
 judged by `vocoder_precision.py --int8`. One JSON object on stdout (and
