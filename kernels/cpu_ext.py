@@ -126,26 +126,30 @@ def _packable(weight: Tensor, dtype: torch.dtype) -> bool:
         weight.dtype == dtype
         and weight.device.type == "cpu"
         and weight.dim() == 2
-        and weight.shape[0] % 32 == 0
+        and weight.shape[0] % dense.PANEL_OUTPUTS == 0
         and weight.shape[1] % 32 == 0
-        and weight.numel() >= dense.ONEDNN_MIN_MACS
     )
 
 
 def pack_linear_weight(weight: Tensor) -> Tensor:
-    """At load: a weight big enough for a packed matmul (`dense.ONEDNN_MIN_MACS`), with both dims
-    multiples of 32, in the layout of the compiled kernel for its dtype; any other weight (and
-    any weight where that kernel is not built) as `dense.pack_weight` leaves it.
+    """At load: a weight with both dims multiples of 32 in the layout of the compiled kernel for
+    its dtype; any other weight (and any weight where that kernel is not built) as
+    `dense.pack_weight` leaves it.
 
-    - bf16, where the CPU has AMX: the AMX kernel's tile order, `[out/32, in/32, 2, 16, 32]`
+    - bf16, where the CPU has AMX, and the weight is big enough for a packed matmul
+      (`dense.ONEDNN_MIN_MACS`): the AMX kernel's tile order, `[out/32, in/32, 2, 16, 32]`
       (csrc/amx_linear_cpu.cpp). oneDNN's bf16 matmul streamed the benchmark model's weights at
       15-23 GB/s for 1-64 rows on the project's CPU, where two threads can read 33; this kernel
       reads them at 22-33.
-    - fp32, where the CPU has AVX-512: panels of 32 outputs, `[out/32, in, 32]`
+    - fp32, where the CPU has AVX-512, at any size: panels of 32 outputs, `[out/32, in, 32]`
       (csrc/dense_fp32_cpu.cpp), which stream from memory while the multiplies run: 0.83-0.87x
-      oneDNN's time for 8-64 rows of the benchmark model, 1.09x at 256-1024 (a prefill).
+      oneDNN's time for 8-64 rows of the benchmark model, 1.09x at 256-1024 (a prefill). A
+      small weight gains most: the default voice's LM (hidden 192) had its weights re-packed by
+      MKL's sgemm in every call, 83 us a projection at 8 rows from memory, and its decode step
+      at 8 sequences took 2.8 ms against 1.9 on this kernel (AMD EPYC, one thread).
     """
-    if _packable(weight, torch.bfloat16) and amx_linear_available():
+    big = weight.numel() >= dense.ONEDNN_MIN_MACS
+    if big and _packable(weight, torch.bfloat16) and amx_linear_available():
         return torch.ops.splittts_kernels.amx_pack_linear_weight(weight.detach())
     if _packable(weight, torch.float32) and fp32_linear_available():
         return torch.ops.splittts_kernels.fp32_pack_linear_weight(weight.detach())

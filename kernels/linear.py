@@ -26,6 +26,10 @@ def keep_weight(weight: Tensor) -> Tensor:
     return weight
 
 
+# Outputs per panel of the compiled kernels' packed weights (kernels.cpu_ext.pack_linear_weight):
+# a weight they pack has a multiple of this many rows.
+PANEL_OUTPUTS = 32
+
 # oneDNN picks its blocked layout for an expected row count; decode batches are this size.
 PACK_ROWS_HINT = 64
 

@@ -59,11 +59,13 @@ def test_the_packed_layout_is_panels_of_32_outputs() -> None:
 def test_pack_linear_weight_takes_fp32_weights_whose_dims_are_multiples_of_32() -> None:
     w = torch.randn(2048, 1024)
     assert cpu_ext.pack_linear_weight(w).shape == (64, 1024, 32)
+    # small ones too (the default voice's LM: MKL re-packs them in every call)
+    assert cpu_ext.pack_linear_weight(torch.randn(64, 192)).shape == (2, 192, 32)
     # a weight with 16 spare outputs keeps oneDNN, a small one F.linear
     odd = torch.randn(2000, 1024)
     assert cpu_ext.pack_linear_weight(odd).is_mkldnn == linear.onednn_available()
-    small = torch.randn(64, 256)
-    assert cpu_ext.pack_linear_weight(small) is small
+    small_odd = torch.randn(6, 192)
+    assert cpu_ext.pack_linear_weight(small_odd) is small_odd
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (3, 5, 1024), (0, 1024)])

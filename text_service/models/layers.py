@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
+from kernels.linear import PANEL_OUTPUTS
 from text_service.context import Context, get_context
 from text_service.models.cache import KVCacheSpec
 
@@ -68,8 +69,28 @@ class MergedLinear(Linear):
         offset = sum(self.output_sizes[:shard_id])
         default_weight_loader(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded)
 
+    def pack_weight(self) -> None:
+        """As `Linear.pack_weight`; a weight whose rows the packed layouts cannot take (Qwen3.5's
+        `in_proj_qkvzba`: the conv's, the values' and twice the heads' rows, 774 in the default
+        voice) gets zero rows up to a whole panel of outputs first, where that lets it be
+        packed: `split` drops their outputs."""
+        pad = -self.weight.shape[0] % PANEL_OUTPUTS
+        if pad:
+            weight = F.pad(self.weight.detach(), (0, 0, 0, pad))
+            packed = self.ops.pack_linear_weight(weight)
+            if packed is not weight:
+                del self.weight
+                self.weight = packed
+                if self.bias is not None:
+                    self.bias = nn.Parameter(F.pad(self.bias.detach(), (0, pad)), False)
+                return
+        super().pack_weight()
+
     def split(self, y: Tensor) -> tuple[Tensor, ...]:
-        return y.split(self.output_sizes, dim=-1)
+        extra = y.shape[-1] - sum(self.output_sizes)  # a padded weight's outputs
+        if not extra:
+            return y.split(self.output_sizes, dim=-1)
+        return y.split([*self.output_sizes, extra], dim=-1)[:-1]
 
 
 class VocabEmbedding(nn.Module):
