@@ -21,6 +21,13 @@ def onednn_available() -> bool:
 ONEDNN_MIN_MACS = 1 << 20
 
 
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN runs bf16 on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX). Elsewhere
+    (an AMD Zen 3, say: AVX2 only) it refuses to pack a bf16 weight at all, and bf16 matmuls run
+    on torch's own fallback."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def keep_weight(weight: Tensor) -> Tensor:
     """The reference layout: weights stay as loaded."""
     return weight
@@ -39,13 +46,15 @@ def pack_weight(weight: Tensor) -> Tensor:
 
     An unpacked weight is re-blocked inside every matmul call; at decode batch sizes that cost
     as much as 15-30% of the call (measured on the project's CPU). Weights too small for oneDNN
-    (see ONEDNN_MIN_MACS) and other dtypes stay as they are, for F.linear.
+    (see ONEDNN_MIN_MACS), other dtypes, and bf16 where oneDNN has no bf16 on this CPU
+    (`onednn_bf16_available`) stay as they are, for F.linear.
     """
     if (
         not onednn_available()
         or weight.device.type != "cpu"
         or weight.dtype not in (torch.float32, torch.bfloat16)
         or weight.numel() < ONEDNN_MIN_MACS
+        or (weight.dtype == torch.bfloat16 and not onednn_bf16_available())
     ):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import cpu_ext
-from kernels.linear import onednn_available
+from kernels.linear import onednn_available, onednn_bf16_available
 
 # oneDNN picks a blocked layout for an expected input width; streaming chunks are about this long
 _WIDTH_HINT = 64
@@ -26,7 +26,10 @@ _WIDTH_HINT = 64
 WIDTH_CLASSES = ((8, 4), (56, 32), (None, _WIDTH_HINT))
 
 
-def packing_available() -> bool:
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack conv weights of `dtype` (fp32 or bf16) on this CPU."""
+    if dtype == torch.bfloat16 and not onednn_bf16_available():
+        return False
     return onednn_available() and hasattr(torch.ops.mkldnn, "_convolution_transpose_pointwise")
 
 
@@ -122,7 +125,15 @@ def conv_transpose2d(
 
 
 def int8_available() -> bool:
-    return onednn_available() and hasattr(torch.ops.onednn, "qconv2d_pointwise")
+    """Whether oneDNN's int8 convolutions are exact here: this torch has them, and the CPU has
+    AVX-512 VNNI. Without VNNI (AVX2 alone, an AMD Zen 3 say) oneDNN's u8s8 products go through
+    `vpmaddubsw`, which saturates pairs of products at 16 bits: off the float conv by up to half
+    of the output's range on a few percent of outputs (tests/test_kernels_onednn_conv.py)."""
+    return (
+        onednn_available()
+        and hasattr(torch.ops.onednn, "qconv2d_pointwise")
+        and bool(torch.cpu._is_vnni_supported())
+    )
 
 
 class QuantizedConv:

@@ -119,11 +119,10 @@ def test_packed_weights_match_and_small_ones_stay(rows) -> None:
     close(linear.onednn_linear(x, packed, b), linear.linear(x, w, b), tol=1e-4)
     strided = torch.randn(rows, 2048)[:, ::2]  # a view, not contiguous
     close(linear.onednn_linear(strided, packed, b), linear.linear(strided, w, b), tol=1e-4)
-    close(
-        linear.onednn_linear(x.bfloat16(), linear.pack_weight(w.bfloat16())).float(),
-        linear.linear(x, w),
-        tol=0.3,
-    )
+    packed_bf16 = linear.pack_weight(w.bfloat16())
+    # oneDNN packs bf16 only where it runs bf16 on this CPU; elsewhere F.linear keeps the weight
+    assert packed_bf16.is_mkldnn == linear.onednn_bf16_available()
+    close(linear.onednn_linear(x.bfloat16(), packed_bf16).float(), linear.linear(x, w), tol=0.3)
     small = torch.randn(64, 256)  # under ONEDNN_MIN_MACS even as a weight: F.linear keeps it
     assert (
         linear.pack_weight(small) is small and linear.pack_weight(w.double()).dtype == torch.float64

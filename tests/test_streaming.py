@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import onednn_conv
 from vocoder_service.backends import TorchBackend
 from vocoder_service.chunking import ChunkPolicy, ForwardShape, frames_to_keep_up, frames_within
 from vocoder_service.jobs import vocode_jobs
@@ -22,6 +23,11 @@ from vocoder_service.token_decoder import (
 from vocoder_service.voice import load_voice
 
 HOP = 256
+# the CPU's bf16 generator runs on oneDNN's bf16 convolutions, which a CPU with AVX2 alone lacks
+# (TorchBackend refuses bf16 there: tests/test_vocoder_int8.py)
+needs_bf16 = pytest.mark.skipif(
+    not onednn_conv.packing_available(torch.bfloat16), reason="oneDNN has no bf16 on this CPU"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -635,6 +641,7 @@ def test_stream_jobs_keep_to_the_warmed_shapes(backend, mel, length):
     assert snr_db(audio, backend.run(m[None])[0]) >= 40
 
 
+@needs_bf16
 def test_bf16_stream_keeps_every_convolution_input_channels_last(monkeypatch, mel):
     """The CPU bf16 generator runs channels last: a layer whose input came out in the plain
     layout (an empty buffer or a one-sample state joined in front of it) converts it back
@@ -661,7 +668,7 @@ def test_bf16_stream_keeps_every_convolution_input_channels_last(monkeypatch, me
     assert len(layouts) > 4 * 80 and all(layouts), [i for i, ok in enumerate(layouts) if not ok]
 
 
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_bf16)])
 def test_carried_state_holds_no_activation_alive(bf16, mel):
     """Every tensor a stream carries to its next call has storage of its own, no larger than
     itself: a tail kept as a view would keep the whole activation it was cut from alive (tens
@@ -677,6 +684,7 @@ def test_carried_state_holds_no_activation_alive(bf16, mel):
     assert held <= 2 * sum(t.numel() * t.element_size() for t in state)
 
 
+@needs_bf16
 def test_bf16_stream_reblocks_no_weight_per_call(capfd, mel):
     """Each convolution's weight is packed for the width classes of outputs it meets and the
     call picks the one oneDNN runs, so a streamed call re-blocks no weight (oneDNN's own log of what it

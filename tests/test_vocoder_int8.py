@@ -243,6 +243,26 @@ def test_torch_int8_refuses_what_it_cannot_run(tiny, tmp_path, kwargs, match):
     assert not list(tmp_path.glob("*int8*"))
 
 
+def test_torch_refuses_bf16_and_int8_where_onednn_cannot_run_them(tiny, tmp_path, monkeypatch):
+    """A CPU with AVX2 alone (an AMD Zen 3): oneDNN refuses to pack bf16 weights at all, and its
+    u8s8 convolutions saturate without VNNI. The backend says so at start, naming the
+    instruction sets, instead of failing inside oneDNN or computing wrong audio."""
+    calibration = [np.zeros((1, 80, 8))]
+    monkeypatch.setattr(onednn_conv, "onednn_bf16_available", lambda: False)
+    assert not onednn_conv.packing_available(torch.bfloat16)
+    assert onednn_conv.packing_available(torch.float32) == onednn_conv.packing_available()
+    for kwargs in (dict(bf16=True), dict(bf16=True, int8=True, calibration=calibration)):
+        with pytest.raises(ValueError, match="needs oneDNN's bf16 convolutions .*AVX-512 BF16"):
+            TorchBackend(tiny, cache_dir=tmp_path, **kwargs)
+    TorchBackend(tiny, cache_dir=tmp_path)  # fp32 runs anywhere
+    monkeypatch.setattr(onednn_conv, "onednn_bf16_available", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert not onednn_conv.int8_available()
+    with pytest.raises(ValueError, match="int8 on torch needs .*AVX-512 VNNI"):
+        TorchBackend(tiny, cache_dir=tmp_path, bf16=True, int8=True, calibration=calibration)
+    assert not list(tmp_path.glob("*int8*"))
+
+
 def write_calibration(voice_dir, codes: list[list[int]]) -> None:
     np.savez(
         voice_dir / "vocoder" / CALIBRATION_NAME,

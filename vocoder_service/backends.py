@@ -175,8 +175,20 @@ class TorchBackend(Backend):
             raise ValueError("int8 runs on the CPU with the rest of the generator in bf16")
         if int8 and not calibration:
             raise ValueError("int8 needs calibration mels (a voice's calibration codes)")
+        if (
+            bf16
+            and torch.device(device).type == "cpu"
+            and not onednn_conv.packing_available(torch.bfloat16)
+        ):
+            raise ValueError(
+                "bf16 on the CPU needs oneDNN's bf16 convolutions (AVX-512 BF16, AVX-NE-CONVERT "
+                "or AMX), which this CPU lacks: run the generator in fp32"
+            )
         if int8 and not onednn_conv.int8_available():
-            raise ValueError("int8 needs oneDNN's int8 convolutions, which this torch lacks")
+            raise ValueError(
+                "int8 on torch needs oneDNN's int8 convolutions and a CPU with AVX-512 VNNI, "
+                "which this one lacks"
+            )
         dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
         checkpoint = None
         if not isinstance(generator, Generator):
