@@ -3,17 +3,18 @@ on the natural held-out English set (Debian `fortunes`, a source the training ne
 with the same speech codes vocoded by each generator precision, side by side.
 
     python -m recipes.default_voice.vocoder_precision [--voice voices/default] [--count 100]
-        [--compare-universal] [--int8]
+        [--compare-universal] [--int8] [--runtime onnxruntime|torch]
 
 Each sentence goes through the deployed decoding once (espeak-ng phonemes, the voice's LM with
 its phoneme-synchronous plan, greedy); its codes go through the voice's token decoder once; only
-the generator differs: ONNX Runtime fp32 and torch bf16 (`--bf16
---backend torch`) and, with `--int8`, int8 calibrated on the voice's calibration codes through
-ONNX Runtime (fp32 elsewhere) and through torch's oneDNN (bf16 elsewhere), each streamed chunk
-by chunk as the service runs it on a CPU. Also printed:
-each generator's CPU seconds per audio second on one thread, measured in the same run,
-rotating which goes first. With `--compare-universal` the pretrained universal V1 runs beside
-the voice's own generator in both precisions (how a distilled generator, `distill.py`, is judged).
+the generator differs: ONNX Runtime fp32 and torch bf16 (`--bf16 --backend torch`) and, with
+`--int8`, int8 calibrated on the voice's calibration codes through ONNX Runtime (fp32 elsewhere)
+and through torch's oneDNN (bf16 elsewhere), each streamed chunk by chunk as the service runs it
+on a CPU. `--runtime` keeps one runtime's generators (a CPU without oneDNN's bf16 runs only
+ONNX Runtime's). Also printed: each generator's CPU seconds per audio second on one thread,
+measured in the same run, rotating which goes first. With `--compare-universal` the pretrained
+universal V1 runs beside the voice's own generator in both precisions (how a distilled
+generator, `distill.py`, is judged).
 One JSON object on stdout; progress on stderr.
 """
 
@@ -47,7 +48,15 @@ def _log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def generators(voice_dir: Path, compare_universal: bool = False, int8: bool = False) -> dict:
+RUNTIMES = ("onnxruntime", "torch")
+
+
+def generators(
+    voice_dir: Path,
+    compare_universal: bool = False,
+    int8: bool = False,
+    runtimes: tuple[str, ...] = RUNTIMES,
+) -> dict:
     from vocoder_service.backends import OnnxBackend, TorchBackend
     from vocoder_service.checkpoint import resolve_checkpoint
     from vocoder_service.voice import load_voice
@@ -61,12 +70,15 @@ def generators(voice_dir: Path, compare_universal: bool = False, int8: bool = Fa
         checkpoints = {"voice's own, ": voice.generator, "universal V1, ": universal}
     tools: dict = {"voice": voice}
     for prefix, checkpoint in checkpoints.items():
-        tools[f"{prefix}fp32 (onnxruntime)"] = OnnxBackend(checkpoint, intra_op_threads=1)
-        tools[f"{prefix}bf16 (torch, oneDNN)"] = TorchBackend(checkpoint, bf16=True)
-        if int8:
+        if "onnxruntime" in runtimes:
+            tools[f"{prefix}fp32 (onnxruntime)"] = OnnxBackend(checkpoint, intra_op_threads=1)
+        if "torch" in runtimes:
+            tools[f"{prefix}bf16 (torch, oneDNN)"] = TorchBackend(checkpoint, bf16=True)
+        if int8 and "onnxruntime" in runtimes:
             tools[f"{prefix}int8 (onnxruntime)"] = OnnxBackend(
                 checkpoint, intra_op_threads=1, int8=True, calibration=voice.calibration_mels()
             )
+        if int8 and "torch" in runtimes:
             tools[f"{prefix}int8 (torch, oneDNN; bf16 elsewhere)"] = TorchBackend(
                 checkpoint, bf16=True, int8=True, calibration=voice.calibration_mels()
             )
@@ -181,6 +193,13 @@ def main() -> None:
         action="store_true",
         help="also run ONNX Runtime int8, calibrated on the voice's calibration codes",
     )
+    p.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        action="append",
+        help="only this runtime's generators (repeatable; default both): torch's need oneDNN's "
+        "bf16, which a CPU with AVX2 alone lacks",
+    )
     args = p.parse_args()
     if args.count < 1:
         p.error("--count must be >= 1")
@@ -193,11 +212,15 @@ def main() -> None:
     retain_freed_memory()
     cfg = RecipeConfig()
     texts, mels = held_out_mels(args.voice, args.count, cfg.seed)
-    tools = generators(args.voice, args.compare_universal, args.int8)
+    runtimes = tuple(args.runtime or RUNTIMES)
+    tools = generators(args.voice, args.compare_universal, args.int8, runtimes)
     tools.pop("voice")
     result = score({n: partial(streamed, b) for n, b in tools.items()}, texts, mels)
     cfg.cache.mkdir(parents=True, exist_ok=True)  # the voice card's table (bundle.py)
-    name = "vocoder_distilled.json" if args.compare_universal else "vocoder_precision.json"
+    name = "vocoder_distilled" if args.compare_universal else "vocoder_precision"
+    if runtimes != RUNTIMES:  # a partial table is not the voice card's
+        name += "_" + "_".join(runtimes)
+    name += ".json"
     (cfg.cache / name).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
