@@ -302,28 +302,34 @@ def test_bf16_streams_stacked_in_one_forward_track_each_alone():
 
 
 @pytest.mark.parametrize(
-    "amx, vendor, avx512_bf16, vnni, expected, expected_int8",
+    "amx, vendor, avx512_bf16, vnni, vectors, expected, expected_int8",
     [
         # Xeon Sapphire Rapids on: bf16 on AMX tiles, calibrated or not
-        (True, "GenuineIntel", True, True, ("torch", "bf16"), ("torch", "bf16")),
+        (True, "GenuineIntel", True, True, "AVX512", ("torch", "bf16"), ("torch", "bf16")),
         # EPYC Zen 4 on: int8 on oneDNN with bf16 around it where the voice is calibrated,
         # else bf16
-        (False, "AuthenticAMD", True, True, ("torch", "bf16"), ("torch", "int8")),
+        (False, "AuthenticAMD", True, True, "AVX512", ("torch", "bf16"), ("torch", "int8")),
         # Cooper Lake: vdpbf16ps at a quarter of FMA's rate; VNNI's int8 where calibrated
-        (False, "GenuineIntel", True, True, ("onnx", "fp32"), ("onnx", "int8")),
-        (False, "GenuineIntel", False, True, ("onnx", "fp32"), ("onnx", "int8")),  # Ice Lake
-        (False, "AuthenticAMD", False, False, ("onnx", "fp32"), ("onnx", "fp32")),  # Zen 3
-        (False, "", False, False, ("onnx", "fp32"), ("onnx", "fp32")),
+        (False, "GenuineIntel", True, True, "AVX512", ("onnx", "fp32"), ("onnx", "int8")),
+        # Ice Lake
+        (False, "GenuineIntel", False, True, "AVX512", ("onnx", "fp32"), ("onnx", "int8")),
+        # Skylake: AVX-512 without VNNI, not measured: fp32
+        (False, "GenuineIntel", False, False, "AVX512", ("onnx", "fp32"), ("onnx", "fp32")),
+        # EPYC Zen 3 (and Intel's AVX2 cores): ONNX Runtime's AVX2 int8 where calibrated
+        (False, "AuthenticAMD", False, False, "AVX2", ("onnx", "fp32"), ("onnx", "int8")),
+        (False, "GenuineIntel", False, False, "AVX2", ("onnx", "fp32"), ("onnx", "int8")),
+        (False, "", False, False, "DEFAULT", ("onnx", "fp32"), ("onnx", "fp32")),
     ],
 )
 def test_the_default_cpu_vocoder_follows_the_cpu_and_the_voice_calibration(
-    monkeypatch, amx, vendor, avx512_bf16, vnni, expected, expected_int8
+    monkeypatch, amx, vendor, avx512_bf16, vnni, vectors, expected, expected_int8
 ):
     from vocoder_service import backends
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: vectors)
     monkeypatch.setattr(backends, "cpu_vendor", lambda: vendor)
     assert backends.auto_backend(torch.device("cpu")) == expected
     assert backends.auto_backend(torch.device("cpu"), int8_calibrated=True) == expected_int8

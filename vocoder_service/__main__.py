@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=("auto", "onnx", "torch"),
         default="auto",
-        help="auto: on a CPU with AVX-512 VNNI and no AMX, int8 where the voices bring their "
+        help="auto: on a CPU with AVX-512 VNNI or AVX2 alone, and no AMX, int8 where the voices "
+        "bring their "
         "calibration (on torch where its bf16 convolutions are fast, else ONNX Runtime); else "
         "torch in bf16 on a CPU with AMX or an AMD CPU with "
         "AVX-512 BF16, else ONNX Runtime (fp16 on CUDA); torch in fp16 on an NPU",

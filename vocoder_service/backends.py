@@ -629,11 +629,26 @@ def cpu_runs_bf16_convs_fast() -> bool:
     return cpu_vendor() == "AuthenticAMD" and bool(torch.cpu._is_avx512_bf16_supported())
 
 
+def cpu_has_avx2_alone() -> bool:
+    """Whether this CPU's widest vectors are AVX2's (torch picked its AVX2 kernels): no AVX-512,
+    as on an AMD EPYC before Zen 4."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 def cpu_runs_int8_convs_fast() -> bool:
-    """Whether int8 convolutions (`quantize.py`) make this CPU's fastest generator: with
-    AVX-512 VNNI, whose `vpdpbusd` does four times the multiply-adds of an fp32 FMA, and
-    without AMX, whose bf16 tiles the torch generator uses instead."""
-    return bool(torch.cpu._is_vnni_supported()) and not cpu_has_amx()
+    """Whether int8 convolutions (`quantize.py`) make this CPU's fastest generator, on a CPU
+    without AMX (whose bf16 tiles the torch generator uses instead):
+    - with AVX-512 VNNI, whose `vpdpbusd` does four times the multiply-adds of an fp32 FMA;
+    - with AVX2 alone, where ONNX Runtime multiplies bytes with `vpmaddubsw`: on an AMD EPYC
+      (Zen 3) its int8 took 0.46 CPU s per audio s streamed against fp32's 0.68, with the
+      default voice's WER 0.65 points and DNSMOS 0.03 from fp32's on the natural held-out set.
+      The split deployment served one stream at RTF 0.49-0.51 with no chunk late after a
+      150 ms buffer, where fp32 ran at 0.75-0.77 with 7 late, and made 1.4x the audio at 4
+      streams (bench/README.md).
+    Intel's AVX-512 CPUs without VNNI (Skylake) are not measured and keep fp32."""
+    if cpu_has_amx():
+        return False
+    return bool(torch.cpu._is_vnni_supported()) or cpu_has_avx2_alone()
 
 
 def int8_runtime() -> str:
@@ -649,12 +664,13 @@ def auto_backend(device: torch.device, int8_calibrated: bool = False) -> tuple[s
     """(backend, precision) of the vocoder when the operator names neither: the one place that
     default is decided. On a CPU:
 
-    - int8 where `cpu_runs_int8_convs_fast` and the voices bring their int8 calibration
-      (`int8_calibrated`), on `int8_runtime`. On an AMD EPYC (Zen 4) ONNX Runtime's int8 took
-      0.244 CPU s per audio s streamed, against 0.270 for bf16 and 0.532 for fp32, and the split
-      deployment made 12-22% more audio at 8 streams than with bf16, with the default voice's
-      WER within 0.4 points and DNSMOS within 0.03 of fp32 on the natural held-out set; torch's
-      int8 is cheaper still there (bench/README.md). On Intel CPUs with VNNI and no AMX it
+    - int8 where `cpu_runs_int8_convs_fast` (AVX-512 VNNI, or AVX2 alone, and no AMX) and the
+      voices bring their int8 calibration (`int8_calibrated`), on `int8_runtime`. On an AMD
+      EPYC (Zen 4) ONNX Runtime's int8 took 0.244 CPU s per audio s streamed, against 0.270
+      for bf16 and 0.532 for fp32, and the split deployment made 12-22% more audio at 8
+      streams than with bf16, with the default voice's WER within 0.4 points and DNSMOS within
+      0.03 of fp32 on the natural held-out set; torch's int8 is cheaper still there; on a Zen 3
+      ONNX Runtime's took 0.67x fp32's time (bench/README.md). On Intel CPUs with VNNI and no AMX it
       replaces ONNX Runtime fp32 on the same kernels' library, by the instruction rates; not
       measured on one yet.
     - torch in bf16 where oneDNN's bf16 convolutions are fast (`cpu_runs_bf16_convs_fast`):
