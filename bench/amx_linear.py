@@ -76,14 +76,21 @@ def main(argv: list[str] | None = None) -> dict:
     kernel = (
         ("amx" if cpu_ext.amx_linear_available() else None)
         if dtype == torch.bfloat16
-        else ("avx512_fp32" if cpu_ext.fp32_linear_available() else None)
+        else (f"{cpu_ext.fp32_linear_form()}_fp32" if cpu_ext.fp32_linear_available() else None)
     )
     if not linear.onednn_available():
         raise SystemExit("bench.amx_linear: this torch has no oneDNN matmul")
     torch.set_num_threads(args.threads)
     loaded = [w.to(dtype) for w in model_weights(args.kind)]
-    # the projections both pack (a weight under ONEDNN_MIN_MACS stays on F.linear either way)
-    both = [(w, linear.pack_weight(w), cpu_ext.pack_linear_weight(w)) for w in loaded]
+    # the projections both pack (a weight under ONEDNN_MIN_MACS stays on F.linear either way), in
+    # the kernel's own layout whether or not the engine gives it these weights (on a CPU with
+    # AVX2 alone it takes only fp32 weights too small for oneDNN: `cpu_ext.pack_linear_weight`)
+    pack = (
+        torch.ops.splittts_kernels.fp32_pack_linear_weight
+        if dtype == torch.float32 and kernel is not None
+        else cpu_ext.pack_linear_weight
+    )
+    both = [(w, linear.pack_weight(w), pack(w)) for w in loaded]
     both = [(w, o, a) for w, o, a in both if o.is_mkldnn and (kernel is None or a.dim() in (3, 5))]
     weights, onednn, compiled = (list(t) for t in zip(*both))
     nbytes = sum(w.numel() * w.element_size() for w in weights)

@@ -109,8 +109,18 @@ def amx_linear_available() -> bool:
 
 @functools.cache
 def fp32_linear_available() -> bool:
-    """Whether the extension built its fp32 projections (x86 CPUs with AVX-512)."""
+    """Whether the extension built its fp32 projections (x86 CPUs with AVX-512, or AVX2 and
+    FMA)."""
     return build() is None and bool(torch.ops.splittts_kernels.fp32_linear_available())
+
+
+@functools.cache
+def fp32_linear_form() -> str | None:
+    """The form of the fp32 projections the build took for this CPU: "avx512", "avx2", or None
+    where it has none."""
+    if not fp32_linear_available():
+        return None
+    return str(torch.ops.splittts_kernels.fp32_linear_form())
 
 
 def _amx_packed(weight: Tensor) -> bool:
@@ -146,12 +156,18 @@ def pack_linear_weight(weight: Tensor) -> Tensor:
       oneDNN's time for 8-64 rows of the benchmark model, 1.09x at 256-1024 (a prefill). A
       small weight gains most: the default voice's LM (hidden 192) had its weights re-packed by
       MKL's sgemm in every call, 83 us a projection at 8 rows from memory, and its decode step
-      at 8 sequences took 2.8 ms against 1.9 on this kernel (AMD EPYC, one thread).
+      at 8 sequences took 2.8 ms against 1.9 on this kernel (AMD EPYC Zen 4, one thread).
+    - fp32, where the CPU has AVX2 alone, the weights too small for oneDNN in the same layout:
+      the default voice's LM stepped 8 sequences in 2.85-3.05 ms against 3.7-4.0 on MKL (AMD
+      EPYC Zen 3, one thread). Bigger ones stay on oneDNN, whose AVX2 matmul ran the benchmark
+      model's projections at 119-148 GFLOP/s from 64 rows where this kernel's 6 x 16 blocks
+      reached 70 (`bench.amx_linear --dtype float32`).
     """
     big = weight.numel() >= dense.ONEDNN_MIN_MACS
     if big and _packable(weight, torch.bfloat16) and amx_linear_available():
         return torch.ops.splittts_kernels.amx_pack_linear_weight(weight.detach())
-    if _packable(weight, torch.float32) and fp32_linear_available():
+    form = fp32_linear_form()
+    if _packable(weight, torch.float32) and (form == "avx512" or (form == "avx2" and not big)):
         return torch.ops.splittts_kernels.fp32_pack_linear_weight(weight.detach())
     return dense.pack_weight(weight)
 

@@ -57,7 +57,7 @@ def cpu_ops() -> Ops:
     """The reference with oneDNN projections and, where they build, the compiled kernels (decode
     attention and the KV write, RMS norms plain, residual and gated, SiLU-and-multiply, rotary
     with or without q/k norms, causal conv1d, gated delta rule and its inputs; bf16 projections
-    on AMX and fp32 ones on AVX-512 where the CPU has them)."""
+    on AMX and fp32 ones on AVX-512 where the CPU has them, or the small fp32 ones on AVX2)."""
     ops = REFERENCE_OPS
     if linear.onednn_available():
         ops = replace(ops, linear=linear.onednn_linear, pack_linear_weight=linear.pack_weight)

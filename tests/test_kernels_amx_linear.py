@@ -67,7 +67,9 @@ def test_pack_linear_weight_takes_bf16_weights_whose_dims_are_multiples_of_32() 
     assert cpu_ext.pack_linear_weight(w.bfloat16()).shape == (64, 32, 2, 16, 32)
     # fp32 weights go to their own kernel (test_kernels_fp32_linear); a bf16 weight with 16
     # spare outputs and small ones keep the oneDNN / F.linear path
-    assert cpu_ext.pack_linear_weight(w).dim() == (3 if cpu_ext.fp32_linear_available() else 2)
+    assert cpu_ext.pack_linear_weight(w).dim() == (
+        3 if cpu_ext.fp32_linear_form() == "avx512" else 2
+    )
     odd = torch.randn(2000, 1024).bfloat16()
     assert cpu_ext.pack_linear_weight(odd).is_mkldnn == linear.onednn_available()
     small = torch.randn(64, 256).bfloat16()

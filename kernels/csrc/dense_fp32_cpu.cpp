@@ -1,5 +1,5 @@
-// fp32 projections y = x W^T (+ b) on AVX-512 FMA, with the weight streamed from memory while the
-// multiplies run.
+// fp32 projections y = x W^T (+ b) on AVX-512 FMA (or AVX2 FMA), with the weight streamed from
+// memory while the multiplies run.
 //
 // fp32 projections are bound by the CPU's multiply-adds from about 16 rows on, but oneDNN's packed
 // matmul on an Intel Xeon (AMX, 2 MB L2) read its weights and multiplied them one after the other:
@@ -18,6 +18,12 @@
 // Rows are taken in chunks whose input stays in L2 (a prefill's thousands), the row blocks of a
 // chunk as even as the rows allow.
 //
+// On a CPU with AVX2 alone (an AMD Zen 3: 16 vector registers of 8 floats) the same packed weight
+// is read half a panel at a time, 16 outputs (two vectors, one 64-byte line of each 128-byte row),
+// in blocks of up to 6 rows: 12 accumulators, two panel loads and a broadcast per row for each
+// input index, the classic 6 x 16 register block. Up to 6 rows (a decode) each weight line is
+// loaded once; the next panel is prefetched while both halves of this one are computed.
+//
 // Products are summed in fp32 in input order (per output, one multiply-add chain): the same
 // arithmetic as any fp32 matmul, in another order.
 
@@ -29,10 +35,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define SPLITTTS_FP32_DENSE 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPLITTTS_FP32_DENSE_AVX2 1
 #endif
 
 namespace {
@@ -46,10 +56,21 @@ constexpr int64_t kPairRows = 7;
 constexpr int64_t kChunkBytes = 1 << 20;  // input rows held in L2 at once
 
 bool fp32_linear_available() {
-#ifdef SPLITTTS_FP32_DENSE
+#if defined(SPLITTTS_FP32_DENSE) || defined(SPLITTTS_FP32_DENSE_AVX2)
   return true;
 #else
   return false;
+#endif
+}
+
+// Which form the build took: "avx512", "avx2", or "" where none.
+std::string fp32_linear_form() {
+#if defined(SPLITTTS_FP32_DENSE)
+  return "avx512";
+#elif defined(SPLITTTS_FP32_DENSE_AVX2)
+  return "avx2";
+#else
+  return "";
 #endif
 }
 
@@ -112,6 +133,83 @@ inline void rows_any(int64_t rows, const float* x, int64_t k_dim, const float* p
 }
 #endif
 
+#ifdef SPLITTTS_FP32_DENSE_AVX2
+constexpr int64_t kHalf = 16;      // outputs of half a panel: two vectors of 8
+constexpr int64_t kAvx2Rows = 6;   // rows per block: 12 accumulators of the 16 registers
+
+// R rows x half a panel (16 outputs at `p`, rows of the panel kPanel floats apart). Prefetches
+// `lines` lines from `ahead` into L2 every `every` input indices.
+template <int R>
+inline void half_block(const float* x, int64_t k_dim, const float* p, float* y, int64_t ldy,
+                       const float* bias, const char*& ahead, int64_t every, int64_t lines) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  // input indices in runs of `every`, a prefetch before each: no division per index (Zen 3's
+  // divider is not pipelined, and a `k % every` there halved the rate of the multiply-adds)
+  for (int64_t k0 = 0; k0 < k_dim; k0 += every) {
+    for (int64_t i = 0; i < lines; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+    const int64_t k1 = std::min(k_dim, k0 + every);
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(p + k * kPanel);
+      const __m256 b1 = _mm256_loadu_ps(p + k * kPanel + 8);
+#pragma GCC unroll 8  // every row: acc must stay in registers
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * k_dim + k);
+        acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+      }
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    const __m256 c = bias ? _mm256_loadu_ps(bias + v * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + v * 8, _mm256_add_ps(acc[r][v], c));
+  }
+}
+
+// half_block for a row count known only at run time (1 to kAvx2Rows)
+template <int R = kAvx2Rows>
+inline void half_any(int64_t rows, const float* x, int64_t k_dim, const float* p, float* y,
+                     int64_t ldy, const float* bias, const char*& ahead, int64_t every,
+                     int64_t lines) {
+  if constexpr (R > 0) {
+    if (rows == R) return half_block<R>(x, k_dim, p, y, ldy, bias, ahead, every, lines);
+    return half_any<R - 1>(rows, x, k_dim, p, y, ldy, bias, ahead, every, lines);
+  }
+}
+
+void fp32_linear_avx2(const float* X, const float* W, const float* B, float* Y, int64_t rows,
+                      int64_t k, int64_t panels) {
+  const int64_t n = panels * kPanel;
+  const int64_t chunk = std::max<int64_t>(kAvx2Rows, kChunkBytes / (k * 4));
+  const int64_t panel_lines = k * kPanel * 4 / 64;  // a panel's k 128-byte rows
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+      const int64_t c_rows = std::min(chunk, rows - c0);
+      const int64_t blocks = (c_rows + kAvx2Rows - 1) / kAvx2Rows;
+      // the next panel's lines, spread over this panel's two halves' blocks and input indices
+      const int64_t lines_per_block = (panel_lines + 2 * blocks - 1) / (2 * blocks);
+      const int64_t every = std::max<int64_t>(1, k / lines_per_block);
+      const int64_t lines = (lines_per_block + k - 1) / k;
+      for (int64_t p = begin; p < end; ++p) {
+        const float* p0 = W + p * k * kPanel;
+        // past the last panel this prefetches beyond the weight: a prefetch never faults
+        const char* ahead = reinterpret_cast<const char*>(p0 + k * kPanel);
+        for (int64_t half = 0; half < 2; ++half) {
+          for (int64_t b = 0, r0 = c0; b < blocks; ++b) {
+            // blocks as even as the rows allow: 8 rows are 4 + 4, not 6 + 2
+            const int64_t r = c_rows / blocks + (b < c_rows % blocks ? 1 : 0);
+            const int64_t o = p * kPanel + half * kHalf;
+            half_any(r, X + r0 * k, k, p0 + half * kHalf, Y + r0 * n + o, n, B ? B + o : nullptr,
+                     ahead, every, lines);
+            r0 += r;
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kFloat, "fp32_linear: the packed weight must be float32, got ",
@@ -131,9 +229,15 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed,
                       "], got sizes ", bias->sizes());
     bias_c = bias->to(at::kFloat).contiguous();
   }
-  TORCH_CHECK(fp32_linear_available(), "fp32_linear: this build has no AVX-512");
+  TORCH_CHECK(fp32_linear_available(), "fp32_linear: this build has neither AVX-512 nor AVX2");
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, n}, x.options());
+#ifdef SPLITTTS_FP32_DENSE_AVX2
+  if (rows > 0)
+    fp32_linear_avx2(x.const_data_ptr<float>(), packed.const_data_ptr<float>(),
+                     bias_c.defined() ? bias_c.const_data_ptr<float>() : nullptr,
+                     y.mutable_data_ptr<float>(), rows, k, panels);
+#endif
 #ifdef SPLITTTS_FP32_DENSE
   if (rows == 0) return y;
   const float* X = x.const_data_ptr<float>();
@@ -181,6 +285,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed,
 
 TORCH_LIBRARY_FRAGMENT(splittts_kernels, m) {
   m.def("fp32_linear_available() -> bool", &fp32_linear_available);
+  m.def("fp32_linear_form() -> str", &fp32_linear_form);
   m.def("fp32_pack_linear_weight(Tensor weight) -> Tensor");
   m.def("fp32_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
