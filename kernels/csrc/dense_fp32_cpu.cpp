@@ -144,8 +144,7 @@ inline void half_block(const float* x, int64_t k_dim, const float* p, float* y, 
                        const float* bias, const char*& ahead, int64_t every, int64_t lines) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  // input indices in runs of `every`, a prefetch before each: no division per index (Zen 3's
-  // divider is not pipelined, and a `k % every` there halved the rate of the multiply-adds)
+  // input indices in runs of `every`, a prefetch before each (no division per index)
   for (int64_t k0 = 0; k0 < k_dim; k0 += every) {
     for (int64_t i = 0; i < lines; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
     const int64_t k1 = std::min(k_dim, k0 + every);
