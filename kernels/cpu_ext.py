@@ -33,13 +33,17 @@ _SOURCES = [
     )
 ]
 _HEADERS = [_CSRC / "cpu_math.h"]
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+# -fno-trapping-math: without AVX-512's masked ops, gcc vectorises a loop over a clamped
+# exponential (silu, softmax, sigmoid) only if it may evaluate both sides of the clamp, which
+# floating-point traps forbid; nothing here reads the floating-point exception flags.
+_CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp"]
 _DTYPES = (torch.float32, torch.bfloat16)
 _STALE_LOCK_S = 900  # a build takes well under a minute; an older lock is a killed build's
 
 
 def _cpu_tag() -> str:
-    """A short hash of what the binary depends on: CPU features, torch, Python, our sources.
+    """A short hash of what the binary depends on: CPU features, torch, Python, the compiler
+    flags, our sources.
 
     The sources are part of it so that two versions of the project on one machine (a checkout
     and a worktree, an upgrade beside a running service) build into folders of their own instead
@@ -53,7 +57,7 @@ def _cpu_tag() -> str:
             )
     except OSError:
         features += platform.processor()
-    key = f"{features}|{torch.__version__}|{platform.python_version()}"
+    key = f"{features}|{torch.__version__}|{platform.python_version()}|{' '.join(_CFLAGS)}"
     digest = hashlib.sha256(key.encode())
     for source in (*_SOURCES, *_HEADERS):
         digest.update(source.read_bytes())
