@@ -74,7 +74,7 @@ PREFILL_CASES = {
     "one_short": ([5], 2, 16, 8),
     "chunk_edges": ([1, 63, 64, 65, 130], 2, 16, 8),
     "model_size": ([97, 33, 160], 4, 128, 128),
-    "odd_dims": ([7, 40, 3], 3, 24, 53),  # a 32-column block, a 16-column one and 5 single columns
+    "odd_dims": ([7, 40, 3], 3, 24, 53),  # a 32-column block, one-vector blocks, 5 single columns
     "with_empty": ([0, 12, 0, 9], 2, 32, 48),
 }
 
