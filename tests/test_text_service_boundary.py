@@ -321,3 +321,55 @@ def test_an_engine_failure_counts_as_failed_in_process(model_dir, monkeypatch):
         assert (count("failed"), count("abort")) == (before[0] + 1, before[1])
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+@pytest.mark.parametrize(("remaining", "reason"), [(0.05, "deadline"), (30.0, "cancelled")])
+def test_a_stream_closed_at_a_yield_is_counted_and_freed(model_dir, remaining, reason):
+    """grpc cancelled while writing a message closes the handler later: GeneratorExit at `yield`."""
+    import asyncio
+
+    from prometheus_client import REGISTRY
+
+    from text_service.async_engine import AsyncEngine
+    from text_service.engine import EngineArgs, LLMEngine
+    from text_service.server import TextGenerationServicer
+
+    def count(r: str) -> float:
+        sample = REGISTRY.get_sample_value(
+            "splittts_text_request_success_total", {"finished_reason": r}
+        )
+        return sample or 0.0
+
+    class Context:  # what the handler reads of grpc's context at the end of a stream
+        def time_remaining(self) -> float:
+            return remaining
+
+        def invocation_metadata(self):
+            return ()
+
+    engine = LLMEngine(EngineArgs(model=str(model_dir), kv_cache_memory_bytes=8 << 20))
+    blocks = engine.scheduler.block_manager
+    free = blocks.num_free_blocks
+
+    async def main():
+        async_engine = AsyncEngine(engine, on_failure=lambda exc: None)
+        async_engine.start()
+        try:
+            before = {r: count(r) for r in ("deadline", "cancelled")}
+            stream = TextGenerationServicer(async_engine, "tiny").Generate(
+                pb.GenerateRequest(**LONG), Context()
+            )
+            first = await anext(stream)
+            assert first.token_ids
+            await stream.aclose()
+            after = {r: count(r) for r in ("deadline", "cancelled")}
+            assert after == {r: before[r] + (r == reason) for r in before}
+            for _ in range(200):  # the abort is carried out by the engine thread
+                if blocks.num_free_blocks == free:
+                    break
+                await asyncio.sleep(0.01)
+            assert blocks.num_free_blocks == free
+        finally:
+            async_engine.stop()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

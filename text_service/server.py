@@ -46,6 +46,12 @@ _InfoContext = grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo]
 _DEADLINE_SLACK_S = 0.5
 
 
+def _stop_reason(context: grpc.aio.ServicerContext) -> str:
+    """Why a stream stopped without an error: its deadline, or the client's cancel."""
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining < _DEADLINE_SLACK_S else "cancelled"
+
+
 def max_bytes_per_token(tokenizer) -> int:
     """A bound on the UTF-8 bytes of text one token can cover, from the longest vocabulary entry.
 
@@ -231,7 +237,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         sent, pending, token_times = 0, [], []
         first_sent = last_event = None
         seq = None
-        outcome = "cancelled"
+        outcome = None  # set by an error; a stream that just stops was cancelled or timed out
         try:
             while True:
                 events = await stream.next_events()
@@ -249,21 +255,15 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     chunks.sent()
                 if done:
                     break
-        except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            outcome = (
-                "deadline"
-                if remaining is not None and remaining < _DEADLINE_SLACK_S
-                else "cancelled"
-            )
-            raise
         except Exception as exc:  # counted, then mapped to a status by servicekit
             outcome = "rejected" if isinstance(exc, CapacityError) else "failed"
             raise
         finally:
+            # A cancel reaches this generator as CancelledError at an await, or as GeneratorExit
+            # at a yield when grpc was cancelled while writing the message and closes us later.
             if last_event is None or not last_event.finished:
                 self.engine.abort(request_id)  # cancelled or failed: free its cache now
-                metrics.REQUESTS.labels(outcome).inc()
+                metrics.REQUESTS.labels(outcome or _stop_reason(context)).inc()
             else:
                 self.engine.release(request_id)
         end = time.perf_counter()
