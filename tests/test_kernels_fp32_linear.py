@@ -38,6 +38,20 @@ def test_fp32_linear_matches_f_linear(rows, bias) -> None:
     close(dense.fp32_linear(x, dense.fp32_pack_linear_weight(w), b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("k", [2304, 195, 3])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(k) -> None:
+    # a decode of one sequence and of eight must give that sequence the same logits: each
+    # output's products are summed in the same order whatever the block's row count (AVX2 runs a
+    # lone row's K segments side by side, more rows' one after another); K = 195 and 3 leave
+    # K % 4 inputs for the last segment, and 3 leaves the first three segments empty
+    w, b = torch.randn(64, k), torch.randn(64)
+    x = torch.randn(13, k)
+    packed = dense.fp32_pack_linear_weight(w)
+    alone = torch.cat([dense.fp32_linear(x[i : i + 1], packed, b) for i in range(13)])
+    for rows in range(2, 14):
+        assert torch.equal(dense.fp32_linear(x[:rows], packed, b), alone[:rows]), rows
+
+
 def test_every_output_and_row_lands_in_its_place() -> None:
     # small integers: every product and sum is exact, so a misplaced row, output or input index
     # shows as an exact mismatch

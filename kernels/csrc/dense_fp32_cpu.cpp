@@ -22,10 +22,15 @@
 // is read half a panel at a time, 16 outputs (two vectors, one 64-byte line of each 128-byte row),
 // in blocks of up to 6 rows: 12 accumulators, two panel loads and a broadcast per row for each
 // input index, the classic 6 x 16 register block. Up to 6 rows (a decode) each weight line is
-// loaded once; the next panel is prefetched while both halves of this one are computed.
+// loaded once; the next panel is prefetched while both halves of this one are computed. With one
+// chain a vector, a lone row (the speech LM's decode of one sequence) waits on the multiply-add's
+// latency, about 6 cycles an input index; so each output is summed in four chains over four
+// segments of K, run side by side for one row, in pairs for two or three rows, and folded in one
+// order whatever the rows.
 //
-// Products are summed in fp32 in input order (per output, one multiply-add chain): the same
-// arithmetic as any fp32 matmul, in another order.
+// Products are summed in fp32 in input order (AVX-512: per output, one multiply-add chain;
+// AVX2: per segment): the same arithmetic as any fp32 matmul, in another order. Neither order
+// depends on the other rows of the call.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -136,43 +141,84 @@ inline void rows_any(int64_t rows, const float* x, int64_t k_dim, const float* p
 #ifdef SPLITTTS_FP32_DENSE_AVX2
 constexpr int64_t kHalf = 16;      // outputs of half a panel: two vectors of 8
 constexpr int64_t kAvx2Rows = 6;   // rows per block: 12 accumulators of the 16 registers
+constexpr int kSegments = 4;       // each output sums K in four runs, folded in a fixed order
 
-// R rows x half a panel (16 outputs at `p`, rows of the panel kPanel floats apart). Prefetches
-// `lines` lines from `ahead` into L2 every `every` input indices.
+// R rows x half a panel (16 outputs at `p`, rows of the panel kPanel floats apart). Each output
+// sums its products in four chains, one per segment of K (segment s: input indices
+// [s * len, (s + 1) * len), the last also the K % 4 after), folded as ((s0 + s1) + s2) + s3
+// (+ bias) whatever R is: one row runs its four chains side by side (eight accumulators, which
+// hide the multiply-add's latency where one chain a vector waits on it), two or three rows two
+// at a time, more rows one at a time with the partial sums kept in y. So a sequence's outputs do
+// not depend on how many rows share its call. Prefetches `lines_per_block` lines from `ahead`
+// into L2, spread over the steps.
 template <int R>
-inline void half_block(const float* x, int64_t k_dim, const float* p, float* y, int64_t ldy,
-                       const float* bias, const char*& ahead, int64_t every, int64_t lines) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  // input indices in runs of `every`, a prefetch before each (no division per index)
-  for (int64_t k0 = 0; k0 < k_dim; k0 += every) {
-    for (int64_t i = 0; i < lines; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-    const int64_t k1 = std::min(k_dim, k0 + every);
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m256 b0 = _mm256_loadu_ps(p + k * kPanel);
-      const __m256 b1 = _mm256_loadu_ps(p + k * kPanel + 8);
+__attribute__((noinline)) void half_block(const float* x, int64_t k_dim, const float* p, float* y,
+                                          int64_t ldy, const float* bias, const char*& ahead,
+                                          int64_t lines_per_block) {
+  constexpr int G = R == 1 ? 4 : (R <= 3 ? 2 : 1);  // segments side by side
+  const int64_t len = k_dim / kSegments;
+  const int64_t steps = std::max<int64_t>(1, len * (kSegments / G));
+  const int64_t every = std::max<int64_t>(1, steps / std::max<int64_t>(1, lines_per_block));
+  const int64_t lines = (lines_per_block + steps - 1) / steps;
+  for (int s0 = 0; s0 < kSegments; s0 += G) {
+    __m256 acc[G][R][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[g][r][0] = acc[g][r][1] = _mm256_setzero_ps();
+    // steps in runs of `every`, a prefetch before each (no division per step)
+    for (int64_t j0 = 0; j0 < len; j0 += every) {
+      for (int64_t i = 0; i < lines; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+      const int64_t j1 = std::min(len, j0 + every);
+      for (int64_t j = j0; j < j1; ++j) {
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const int64_t k = (s0 + g) * len + j;
+          const __m256 b0 = _mm256_loadu_ps(p + k * kPanel);
+          const __m256 b1 = _mm256_loadu_ps(p + k * kPanel + 8);
 #pragma GCC unroll 8  // every row: acc must stay in registers
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * k_dim + k);
-        acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+          for (int r = 0; r < R; ++r) {
+            const __m256 a = _mm256_broadcast_ss(x + r * k_dim + k);
+            acc[g][r][0] = _mm256_fmadd_ps(a, b0, acc[g][r][0]);
+            acc[g][r][1] = _mm256_fmadd_ps(a, b1, acc[g][r][1]);
+          }
+        }
       }
     }
-  }
-  for (int v = 0; v < 2; ++v) {
-    const __m256 c = bias ? _mm256_loadu_ps(bias + v * 8) : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + v * 8, _mm256_add_ps(acc[r][v], c));
+    if (s0 + G == kSegments) {
+      for (int64_t k = kSegments * len; k < k_dim; ++k) {  // the last segment's K % 4
+        const __m256 b0 = _mm256_loadu_ps(p + k * kPanel);
+        const __m256 b1 = _mm256_loadu_ps(p + k * kPanel + 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 a = _mm256_broadcast_ss(x + r * k_dim + k);
+          acc[G - 1][r][0] = _mm256_fmadd_ps(a, b0, acc[G - 1][r][0]);
+          acc[G - 1][r][1] = _mm256_fmadd_ps(a, b1, acc[G - 1][r][1]);
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m256 c = bias ? _mm256_loadu_ps(bias + v * 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        float* out = y + r * ldy + v * 8;
+        __m256 t = s0 == 0 ? acc[0][r][v] : _mm256_add_ps(_mm256_loadu_ps(out), acc[0][r][v]);
+#pragma GCC unroll 4
+        for (int g = 1; g < G; ++g) t = _mm256_add_ps(t, acc[g][r][v]);
+        _mm256_storeu_ps(out, s0 + G == kSegments ? _mm256_add_ps(t, c) : t);
+      }
+    }
   }
 }
 
 // half_block for a row count known only at run time (1 to kAvx2Rows)
 template <int R = kAvx2Rows>
 inline void half_any(int64_t rows, const float* x, int64_t k_dim, const float* p, float* y,
-                     int64_t ldy, const float* bias, const char*& ahead, int64_t every,
-                     int64_t lines) {
+                     int64_t ldy, const float* bias, const char*& ahead, int64_t lines_per_block) {
   if constexpr (R > 0) {
-    if (rows == R) return half_block<R>(x, k_dim, p, y, ldy, bias, ahead, every, lines);
-    return half_any<R - 1>(rows, x, k_dim, p, y, ldy, bias, ahead, every, lines);
+    if (rows == R) return half_block<R>(x, k_dim, p, y, ldy, bias, ahead, lines_per_block);
+    return half_any<R - 1>(rows, x, k_dim, p, y, ldy, bias, ahead, lines_per_block);
   }
 }
 
@@ -185,10 +231,8 @@ void fp32_linear_avx2(const float* X, const float* W, const float* B, float* Y, 
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
       const int64_t c_rows = std::min(chunk, rows - c0);
       const int64_t blocks = (c_rows + kAvx2Rows - 1) / kAvx2Rows;
-      // the next panel's lines, spread over this panel's two halves' blocks and input indices
+      // the next panel's lines, spread over this panel's two halves' blocks
       const int64_t lines_per_block = (panel_lines + 2 * blocks - 1) / (2 * blocks);
-      const int64_t every = std::max<int64_t>(1, k / lines_per_block);
-      const int64_t lines = (lines_per_block + k - 1) / k;
       for (int64_t p = begin; p < end; ++p) {
         const float* p0 = W + p * k * kPanel;
         // past the last panel this prefetches beyond the weight: a prefetch never faults
@@ -199,7 +243,7 @@ void fp32_linear_avx2(const float* X, const float* W, const float* B, float* Y, 
             const int64_t r = c_rows / blocks + (b < c_rows % blocks ? 1 : 0);
             const int64_t o = p * kPanel + half * kHalf;
             half_any(r, X + r0 * k, k, p0 + half * kHalf, Y + r0 * n + o, n, B ? B + o : nullptr,
-                     ahead, every, lines);
+                     ahead, lines_per_block);
             r0 += r;
           }
         }
