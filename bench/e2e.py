@@ -317,6 +317,8 @@ def main() -> int:
     # the load generator is not the system under test: keep it off the vocoder's core
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {0})
+    from bench.workload import machine_load
+
     n1, n4, n8, ncmp = (6, 8, 8, 6) if args.quick else (20, 24, 32, 20)
     out: dict = {
         "voice": str(voice_dir),
@@ -325,10 +327,12 @@ def main() -> int:
         "cpus": os.cpu_count(),
     }
     started = time.perf_counter()
+    out["machine_load_start"] = machine_load()
     if args.layouts:
         out["pressure_cpu_start"] = _pressure()
         out["layouts"] = compare_layouts(voice_dir, n1, n4, n8, args.layout)
         out["pressure_cpu_end"] = _pressure()
+        out["machine_load_end"] = machine_load()
         out["wall_s"] = time.perf_counter() - started
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))
         return 0
@@ -374,6 +378,7 @@ def main() -> int:
             else None,
             "errors": c1["errors"] + c4["errors"] + c8["errors"] + colo["errors"],
             "wall_s": time.perf_counter() - started,
+            "machine_load_end": machine_load(),
         }
     )
     if args.json:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -115,14 +116,35 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+def memory_read_gbs(mib: int = 256, repeats: int = 5) -> dict:
+    """GB/s at which torch sums `mib` MiB of fp32 (far more than any cache), best of `repeats`,
+    with the run's torch threads. A shared VM's memory bandwidth drifts by 1.5x within an hour,
+    and the decode attention and the speech LM's projections are bound by it."""
+    import torch
+
+    x = torch.ones(mib << 18)
+    x.sum()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return {
+        "memory_read_gbs": round(x.numel() * 4 / best / 1e9, 1),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def machine_load() -> dict:
-    """1-minute load average and CPU pressure: how shared the machine was during a run."""
+    """1-minute load average, CPU pressure and memory bandwidth: how shared the machine was
+    during a run."""
     out = {"loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
     try:
         with open("/proc/pressure/cpu") as f:
             out["cpu_pressure_some_avg60"] = float(f.readline().split()[2].split("=")[1])
     except OSError:
         pass
+    out.update(memory_read_gbs())
     return out
 
 
