@@ -155,23 +155,21 @@ def pack_linear_weight(weight: Tensor) -> Tensor:
       (csrc/amx_linear_cpu.cpp). oneDNN's bf16 matmul streamed the benchmark model's weights at
       15-23 GB/s for 1-64 rows on the project's CPU, where two threads can read 33; this kernel
       reads them at 22-33.
-    - fp32, where the CPU has AVX-512, at any size: panels of 32 outputs, `[out/32, in, 32]`
-      (csrc/dense_fp32_cpu.cpp), which stream from memory while the multiplies run: 0.83-0.87x
-      oneDNN's time for 8-64 rows of the benchmark model, 1.09x at 256-1024 (a prefill). A
-      small weight gains most: the default voice's LM (hidden 192) had its weights re-packed by
-      MKL's sgemm in every call, 83 us a projection at 8 rows from memory, and its decode step
-      at 8 sequences took 2.8 ms against 1.9 on this kernel (AMD EPYC Zen 4, one thread).
-    - fp32, where the CPU has AVX2 alone, the weights too small for oneDNN in the same layout:
-      the default voice's LM stepped 8 sequences in 2.85-3.05 ms against 3.7-4.0 on MKL (AMD
-      EPYC Zen 3, one thread). Bigger ones stay on oneDNN, whose AVX2 matmul ran the benchmark
-      model's projections at 119-148 GFLOP/s from 64 rows where this kernel's 6 x 16 blocks
-      reached 70 (`bench.amx_linear --dtype float32`).
+    - fp32, where the CPU has AVX-512 or AVX2, at any size: panels of 32 outputs,
+      `[out/32, in, 32]` (csrc/dense_fp32_cpu.cpp), which stream from memory while the
+      multiplies run. AVX-512: 0.83-0.87x oneDNN's time for 8-64 rows of the benchmark model,
+      1.09x at 256-1024 (a prefill). AVX2 (AMD EPYC Zen 3, 2 threads): 0.78-0.91x from 8 rows
+      to 256, 146-166 GFLOP/s from 32 rows, 1.07x at one row (both bound by memory there;
+      `bench.amx_linear --dtype float32`). A small weight gains most: the default voice's LM
+      (hidden 192) had its weights re-packed by MKL's sgemm in every call, 83 us a projection
+      at 8 rows from memory, and its decode step at 8 sequences took 2.8 ms against 1.9 on
+      this kernel (AMD EPYC Zen 4, one thread).
     """
     big = weight.numel() >= dense.ONEDNN_MIN_MACS
     if big and _packable(weight, torch.bfloat16) and amx_linear_available():
         return torch.ops.splittts_kernels.amx_pack_linear_weight(weight.detach())
     form = fp32_linear_form()
-    if _packable(weight, torch.float32) and (form == "avx512" or (form == "avx2" and not big)):
+    if _packable(weight, torch.float32) and form in ("avx512", "avx2"):
         return torch.ops.splittts_kernels.fp32_pack_linear_weight(weight.detach())
     return dense.pack_weight(weight)
 

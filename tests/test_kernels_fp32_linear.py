@@ -73,11 +73,7 @@ def test_the_packed_layout_is_panels_of_32_outputs() -> None:
 
 def test_pack_linear_weight_takes_fp32_weights_whose_dims_are_multiples_of_32() -> None:
     w = torch.randn(2048, 1024)
-    if cpu_ext.fp32_linear_form() == "avx512":
-        assert cpu_ext.pack_linear_weight(w).shape == (64, 1024, 32)
-    else:  # AVX2's 6 x 16 blocks lose to oneDNN from 32 rows: it keeps the big weights
-        assert cpu_ext.pack_linear_weight(w).is_mkldnn
-        assert cpu_ext.pack_linear_weight(w[:992]).shape == (31, 1024, 32)  # just under
+    assert cpu_ext.pack_linear_weight(w).shape == (64, 1024, 32)  # AVX-512 and AVX2 alike
     # small ones too (the default voice's LM: MKL re-packs them in every call)
     assert cpu_ext.pack_linear_weight(torch.randn(64, 192)).shape == (2, 192, 32)
     # a weight with 16 spare outputs keeps oneDNN, a small one F.linear

@@ -295,8 +295,6 @@ def test_fp32_projections_on_the_compiled_kernel_match_hf(name, tmp_path):
     if not cpu_ext.fp32_linear_available():
         pytest.skip("this CPU or build has neither AVX-512 nor AVX2")
     kind, overrides = WIDE[name]
-    if cpu_ext.fp32_linear_form() == "avx2":
-        overrides = {}  # AVX2's form takes only weights too small for oneDNN: the tiny shape
     path = make_tiny_model(tmp_path, kind, **overrides)
     model = load_model(path, device="cpu", dtype=torch.float32)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
