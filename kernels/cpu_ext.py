@@ -45,9 +45,11 @@ def _cpu_tag() -> str:
     """A short hash of what the binary depends on: CPU features, torch, Python, the compiler
     flags, our sources.
 
-    The sources are part of it so that two versions of the project on one machine (a checkout
-    and a worktree, an upgrade beside a running service) build into folders of their own instead
-    of rebuilding over each other's binary and waiting on each other's lock.
+    The sources, and the folder they lie in, are part of it so that two copies of the project
+    on one machine (a checkout and a worktree, an upgrade beside a running service) build into
+    folders of their own instead of rebuilding over each other's binary and waiting on each
+    other's lock: the build file names the sources by path, so two copies of the same sources
+    also rebuilt each other's on every alternate start.
     """
     features = platform.machine()
     try:
@@ -58,6 +60,7 @@ def _cpu_tag() -> str:
     except OSError:
         features += platform.processor()
     key = f"{features}|{torch.__version__}|{platform.python_version()}|{' '.join(_CFLAGS)}"
+    key += f"|{_SOURCES[0].parent.resolve()}"
     digest = hashlib.sha256(key.encode())
     for source in (*_SOURCES, *_HEADERS):
         digest.update(source.read_bytes())

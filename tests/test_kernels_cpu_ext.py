@@ -561,3 +561,17 @@ def test_quantize_u8_equals_torch(dtype, layout) -> None:
     assert got[0, 0, 0, :6].tolist() == [39, 41, 35, 255, 0, 37] or layout == "strided"
     with pytest.raises(ValueError, match="need scale > 0 and zero_point in"):
         torch.ops.splittts_kernels.quantize_u8(x.contiguous(), scale, 256)
+
+
+def test_a_copy_of_the_sources_elsewhere_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """A checkout and a worktree of the same commit: the build file names the sources by path,
+    so sharing one folder made each start rebuild over the other's binary."""
+    import shutil
+
+    here = cpu_ext._cpu_tag()
+    assert cpu_ext._cpu_tag() == here  # the same copy keeps its folder
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_ext._CSRC, copy)
+    monkeypatch.setattr(cpu_ext, "_SOURCES", [copy / p.name for p in cpu_ext._SOURCES])
+    monkeypatch.setattr(cpu_ext, "_HEADERS", [copy / p.name for p in cpu_ext._HEADERS])
+    assert cpu_ext._cpu_tag() != here
