@@ -111,14 +111,14 @@ def build() -> str | None:
 def amx_linear_available() -> bool:
     """Whether the extension built its AMX projections and the OS lets this process use the
     tiles (x86 CPUs with AMX-BF16, such as Xeon Sapphire Rapids and later)."""
-    return build() is None and bool(torch.ops.splittts_kernels.amx_linear_available())
+    return build() is None and bool(torch.ops.splittts_kernels.amx_linear_available.default())
 
 
 @functools.cache
 def fp32_linear_available() -> bool:
     """Whether the extension built its fp32 projections (x86 CPUs with AVX-512, or AVX2 and
     FMA)."""
-    return build() is None and bool(torch.ops.splittts_kernels.fp32_linear_available())
+    return build() is None and bool(torch.ops.splittts_kernels.fp32_linear_available.default())
 
 
 @functools.cache
@@ -127,15 +127,7 @@ def fp32_linear_form() -> str | None:
     where it has none."""
     if not fp32_linear_available():
         return None
-    return str(torch.ops.splittts_kernels.fp32_linear_form())
-
-
-def _amx_packed(weight: Tensor) -> bool:
-    return weight.dim() == 5  # only `pack_linear_weight` makes these
-
-
-def _fp32_packed(weight: Tensor) -> bool:
-    return weight.dim() == 3  # only `pack_linear_weight` makes these
+    return str(torch.ops.splittts_kernels.fp32_linear_form.default())
 
 
 def _packable(weight: Tensor, dtype: torch.dtype) -> bool:
@@ -170,27 +162,33 @@ def pack_linear_weight(weight: Tensor) -> Tensor:
     """
     big = weight.numel() >= dense.ONEDNN_MIN_MACS
     if big and _packable(weight, torch.bfloat16) and amx_linear_available():
-        return torch.ops.splittts_kernels.amx_pack_linear_weight(weight.detach())
+        return torch.ops.splittts_kernels.amx_pack_linear_weight.default(weight.detach())
     form = fp32_linear_form()
     if _packable(weight, torch.float32) and form in ("avx512", "avx2"):
-        return torch.ops.splittts_kernels.fp32_pack_linear_weight(weight.detach())
+        return torch.ops.splittts_kernels.fp32_pack_linear_weight.default(weight.detach())
     return dense.pack_weight(weight)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`dense.linear` on a weight from `pack_linear_weight`: the compiled kernel that packed it,
-    `dense.onednn_linear` for the rest."""
-    if _amx_packed(weight):
-        op = torch.ops.splittts_kernels.amx_linear
-    elif _fp32_packed(weight):
-        op = torch.ops.splittts_kernels.fp32_linear
+    `dense.onednn_linear` for the rest.
+
+    Told apart by the weight's rank alone (only `pack_linear_weight` makes these): AMX tiles
+    `[out/32, in/32, 2, 16, 32]`, fp32 panels `[out/32, in, 32]`. A step's rows (2-D, as the
+    models pass them) go straight to the kernel: on a small LM every call's Python counts (the
+    default voice's decode step makes 17 of them, and the reshape and view of other shapes
+    cost as much as the kernel's own call, about 5 us on the project's AVX2 CPU)."""
+    rank = weight.dim()
+    if rank == 3:
+        op = torch.ops.splittts_kernels.fp32_linear.default
+    elif rank == 5:
+        op = torch.ops.splittts_kernels.amx_linear.default
     else:
         return dense.onednn_linear(x, weight, bias)
+    if x.dim() == 2:
+        return op(x if x.is_contiguous() else x.contiguous(), weight, bias)
     shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    y = op(rows, weight, bias)
+    y = op(x.reshape(-1, shape[-1]).contiguous(), weight, bias)
     return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -223,7 +221,7 @@ def paged_attention_decode(
             scale=scale,
             seq_lens_list=seq_lens_list,
         )
-    return torch.ops.splittts_kernels.paged_attention_decode(
+    return torch.ops.splittts_kernels.paged_attention_decode.default(
         q.contiguous(),
         k_cache,
         v_cache,
@@ -276,7 +274,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0) -> Tens
     """`norm.rms_norm` in one pass per row."""
     if not _compiled(x):
         return norm.rms_norm(x, weight, eps, offset)
-    return torch.ops.splittts_kernels.rms_norm(x.contiguous(), weight, eps, offset)
+    return torch.ops.splittts_kernels.rms_norm.default(x.contiguous(), weight, eps, offset)
 
 
 def add_rms_norm(
@@ -285,7 +283,7 @@ def add_rms_norm(
     """`norm.add_rms_norm` in one pass per row."""
     if not _compiled(x, residual) or x.shape != residual.shape:
         return norm.add_rms_norm(x, residual, weight, eps, offset)
-    return torch.ops.splittts_kernels.add_rms_norm(
+    return torch.ops.splittts_kernels.add_rms_norm.default(
         x.contiguous(), residual.contiguous(), weight, eps, offset
     )
 
@@ -294,7 +292,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     """`norm.gated_rms_norm` in one pass per row, a strided gate read in place."""
     if not _compiled(x, gate) or x.dim() != 3 or gate.shape != x.shape or gate.stride(-1) != 1:
         return norm.gated_rms_norm(x, gate, weight, eps)
-    return torch.ops.splittts_kernels.gated_rms_norm(x.contiguous(), gate, weight, eps)
+    return torch.ops.splittts_kernels.gated_rms_norm.default(x.contiguous(), gate, weight, eps)
 
 
 def write_kv(
@@ -320,7 +318,7 @@ def write_kv(
     ):
         attention.write_kv(key, value, k_cache, v_cache, slot_mapping, all_valid=all_valid)
         return
-    torch.ops.splittts_kernels.write_kv(
+    torch.ops.splittts_kernels.write_kv.default(
         key, value, k_cache, v_cache, slot_mapping.long().contiguous()
     )
 
@@ -329,7 +327,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
     """`activation.silu_and_mul` in one pass."""
     if not _compiled(x):
         return activation.silu_and_mul(x)
-    return torch.ops.splittts_kernels.silu_and_mul(x.contiguous())
+    return torch.ops.splittts_kernels.silu_and_mul.default(x.contiguous())
 
 
 def rotary(
@@ -342,7 +340,7 @@ def rotary(
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    return torch.ops.splittts_kernels.rotary(
+    return torch.ops.splittts_kernels.rotary.default(
         positions.long().contiguous(), q, k, cos_sin_cache.contiguous(), rotary_dim
     )
 
@@ -381,7 +379,7 @@ def qk_norm_rotary(
             rms_norm=rms_norm,
             rotary=rotary,
         )
-    return torch.ops.splittts_kernels.qk_norm_rotary(
+    return torch.ops.splittts_kernels.qk_norm_rotary.default(
         positions.long().contiguous(),
         q,
         k,
@@ -420,7 +418,7 @@ def join_channels_last(
     activation without a slope) in channels-last layout, its last `keep` samples in storage of
     their own), in one pass over `then` (the compiled kernel where both are channels last)."""
     if _compiled(first, then) and _channels_last_rows(first, then) and build() is None:
-        return torch.ops.splittts_kernels.join_channels_last(
+        return torch.ops.splittts_kernels.join_channels_last.default(
             first, then, 1.0 if slope is None else slope, keep
         )
     n = first.shape[-1]
@@ -444,7 +442,7 @@ def add_joined_(t: Tensor, first: Tensor, then: Tensor) -> tuple[Tensor, Tensor]
     the join (the compiled kernel where all three are channels last); returns `t` and the rest
     of the join (from T on) in storage of its own."""
     if _compiled(t, first, then) and _channels_last_rows(t, first, then) and build() is None:
-        return t, torch.ops.splittts_kernels.add_joined_(t, first, then)
+        return t, torch.ops.splittts_kernels.add_joined_.default(t, first, then)
     length = t.shape[-1]
     return t.add_(torch.cat([first, then], -1)[..., :length]), _rest(first, then, length)
 
@@ -458,7 +456,7 @@ def mean_joined(
     rest (from `length` on) in storage of its own."""
     tensors = [*firsts, *thens]
     if _compiled(*tensors) and _channels_last_rows(*tensors) and build() is None:
-        return torch.ops.splittts_kernels.mean_joined(firsts, thens, length)
+        return torch.ops.splittts_kernels.mean_joined.default(firsts, thens, length)
     parts = [torch.cat([f, t], -1)[..., :length] for f, t in zip(firsts, thens)]
     rests = [_rest(f, t, length) for f, t in zip(firsts, thens)]
     return sum(parts[1:], parts[0]) / len(parts), rests
@@ -472,7 +470,7 @@ def quantize_u8(x: Tensor, scale: float, zero_point: int) -> Tensor:
         x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
     )
     if _compiled(x) and dense and build() is None:
-        return torch.ops.splittts_kernels.quantize_u8(x, scale, zero_point)
+        return torch.ops.splittts_kernels.quantize_u8.default(x, scale, zero_point)
     q = torch.round(x.float() * (1.0 / scale)) + zero_point
     return q.clamp_(0, 255).to(torch.uint8)
 
@@ -500,7 +498,7 @@ def causal_conv1d(
             state_indices=state_indices,
             has_initial_state=has_initial_state,
         )
-    return torch.ops.splittts_kernels.causal_conv1d(
+    return torch.ops.splittts_kernels.causal_conv1d.default(
         _last_dim_contiguous(x),
         weight,
         conv_state,
@@ -516,7 +514,7 @@ def causal_conv1d_update(
     """`conv.causal_conv1d_update` reading and writing the state slots in place."""
     if not _compiled(x, conv_state) or x.dim() != 2 or not conv_state.is_contiguous():
         return conv.causal_conv1d_update(x, weight, conv_state, state_indices)
-    return torch.ops.splittts_kernels.causal_conv1d(
+    return torch.ops.splittts_kernels.causal_conv1d.default(
         _last_dim_contiguous(x), weight, conv_state, None, state_indices.long().contiguous(), None
     )
 
@@ -559,7 +557,7 @@ def chunk_gated_delta_rule(
             has_initial_state=has_initial_state,
             scale=scale,
         )
-    return torch.ops.splittts_kernels.gated_delta_rule(
+    return torch.ops.splittts_kernels.gated_delta_rule.default(
         _last_dim_contiguous(q),
         _last_dim_contiguous(k),
         _last_dim_contiguous(v),
@@ -589,7 +587,7 @@ def recurrent_gated_delta_rule(
         return delta_rule.recurrent_gated_delta_rule(
             q, k, v, g, beta, ssm_state=ssm_state, state_indices=state_indices, scale=scale
         )
-    return torch.ops.splittts_kernels.gated_delta_rule(
+    return torch.ops.splittts_kernels.gated_delta_rule.default(
         _last_dim_contiguous(q),
         _last_dim_contiguous(k),
         _last_dim_contiguous(v),
@@ -628,7 +626,7 @@ def gated_delta_net_inputs(
             num_v_heads=num_v_heads,
             eps=eps,
         )
-    return torch.ops.splittts_kernels.gated_delta_net_inputs(
+    return torch.ops.splittts_kernels.gated_delta_net_inputs.default(
         _last_dim_contiguous(mixed_qkv),
         _last_dim_contiguous(a),
         _last_dim_contiguous(b),

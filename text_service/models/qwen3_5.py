@@ -17,6 +17,7 @@ from text_service.models.layers import (
     PreNormDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
+    leading,
     new_parameter,
     rope_settings,
     split_decode_prefill,
@@ -70,7 +71,9 @@ class CausalConv1d(nn.Module):
         weight = self.weight.squeeze(1)
 
         def decode(nd: int) -> Tensor:
-            return ops.causal_conv1d_update(x[:nd], weight, conv_state, ctx.state_indices[:nd])
+            return ops.causal_conv1d_update(
+                leading(x, nd), weight, conv_state, leading(ctx.state_indices, nd)
+            )
 
         def prefill(nd: int) -> Tensor:
             return ops.causal_conv1d(
@@ -150,13 +153,13 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
         def decode(nd: int) -> Tensor:
             return ops.recurrent_gated_delta_rule(
-                q[:nd],
-                k[:nd],
-                v[:nd],
-                g[:nd],
-                beta[:nd],
+                leading(q, nd),
+                leading(k, nd),
+                leading(v, nd),
+                leading(g, nd),
+                leading(beta, nd),
                 ssm_state=ssm_state,
-                state_indices=ctx.state_indices[:nd],
+                state_indices=leading(ctx.state_indices, nd),
                 scale=scale,
             )
 
