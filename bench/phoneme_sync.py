@@ -51,8 +51,10 @@ def build(
     prompts,
     speech: tuple[int, int],
     end: int,
+    temperature: float = 0.7,
 ):
-    """An engine holding `seqs` requests of exactly `tokens` output tokens each."""
+    """An engine holding `seqs` requests of exactly `tokens` output tokens each, sampled at
+    `temperature` with top-k 50 (0: greedy, as the default voice decodes)."""
     from text_service.constraints import PhonemeSync
     from text_service.engine import EngineArgs, LLMEngine
     from text_service.sampling_params import SamplingParams
@@ -75,31 +77,30 @@ def build(
             d = [speech_total // n + (1 if k < speech_total % n else 0) for k in range(n)]
             c = PhonemeSync(tuple(phonemes), speech, end, tuple(d), tuple(d))
             sp = SamplingParams(
-                temperature=0.7, top_k=50, seed=i, max_tokens=tokens, phoneme_sync=c
+                temperature=temperature, top_k=50, seed=i, max_tokens=tokens, phoneme_sync=c
             )
         else:
             sp = SamplingParams(
-                temperature=0.7, top_k=50, seed=i, max_tokens=tokens, ignore_eos=True
+                temperature=temperature, top_k=50, seed=i, max_tokens=tokens, ignore_eos=True
             )
         engine.add_request(f"r{i}", prompt, sp)
     return engine
 
 
-def run_pair(plain, synced, expected: int, sync_first: bool) -> dict:
-    """Step both engines in lockstep until done; seconds of wall and CPU time spent in each."""
-    spent = {"plain": [0.0, 0.0], "sync": [0.0, 0.0]}
-    produced = {"plain": 0, "sync": 0}
-    order = (
-        [("sync", synced), ("plain", plain)] if sync_first else [("plain", plain), ("sync", synced)]
-    )
-    while any(e.has_unfinished_requests() for _, e in order):
-        for name, engine in order:
+def lockstep(engines: list[tuple[str, object]], expected: int) -> dict[str, list[float]]:
+    """Step the named engines in turn, in the order given, until all are done; seconds of wall
+    and CPU time each spent in its steps, and how many steps it took: `[wall, cpu, steps]`."""
+    spent = {name: [0.0, 0.0, 0] for name, _ in engines}
+    produced = dict.fromkeys(spent, 0)
+    while any(e.has_unfinished_requests() for _, e in engines):
+        for name, engine in engines:
             if not engine.has_unfinished_requests():
                 continue
             w, c = time.perf_counter(), time.process_time()
             outs = engine.step()
             spent[name][0] += time.perf_counter() - w
             spent[name][1] += time.process_time() - c
+            spent[name][2] += 1
             produced[name] += sum(len(o.new_token_ids) for o in outs)
     for name, n in produced.items():
         if n != expected:
@@ -107,23 +108,40 @@ def run_pair(plain, synced, expected: int, sync_first: bool) -> dict:
     return spent
 
 
-def main() -> None:
+def run_pair(plain, synced, expected: int, sync_first: bool) -> dict:
+    """Step both engines in lockstep until done; seconds of wall and CPU time spent in each."""
+    order = [("plain", plain), ("sync", synced)]
+    return lockstep(order[::-1] if sync_first else order, expected)
+
+
+def parser(doc: str | None, seqs: int | str) -> argparse.ArgumentParser:
+    """The options of the benchmarks that step a speech LM's engines (`--seqs` of `seqs`' type:
+    one batch size, or several comma-separated)."""
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="voices/default/lm")
-    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--seqs", type=type(seqs), default=seqs)
     p.add_argument("--tokens", type=int, default=160)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    return p
+
+
+def voice_tokens(model: str) -> tuple[tuple[int, int], int]:
+    """The speech-token range and end id of the voice whose `lm/` folder is `model`."""
+    manifest = json.load(open(f"{model}/../voice.json"))
+    lo, hi = manifest["speech_token_range"]
+    return (lo, hi), manifest["end_token_id"]
+
+
+def main() -> None:
+    args = parser(__doc__, 64).parse_args()
     torch.set_num_threads(args.threads)
-    manifest = json.load(open(f"{args.model}/../voice.json"))
-    speech = tuple(manifest["speech_token_range"])
+    speech, end = voice_tokens(args.model)
     prompts = _prompts(f"{args.model}/tokenizer.json", args.seqs)
     load_before = machine_load()
-    end = manifest["end_token_id"]
 
     def pair(first: bool) -> dict:
         return run_pair(
