@@ -212,7 +212,10 @@ def test_a_paced_request_waits_while_ahead_and_makes_the_same_tokens():
     pause = engine.pause_request
     engine.pause_request = lambda rid: held.append(rid) or pause(rid)  # type: ignore[method-assign]
     prompt = [1, 40, 41, 42, 43, 44, 2]
-    pace = Pace(tokens_per_second=100.0, lead_tokens=10)
+    # Slow enough that the paced requests get ahead of it even on a slow, shared machine: at 100
+    # tokens/s a stall of a few tenths of a second while the three ran gave the companion enough
+    # allowance never to be held, and once alone it never could be (the wait below then hung).
+    pace = Pace(tokens_per_second=20.0, lead_tokens=10)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
