@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -42,6 +42,10 @@ _MAX_QUEUED_CHUNKS = 8
 # would otherwise take thousands of tokens. It must exceed what the vocoder holds back for its
 # next chunk (--max-chunk-frames 128 plus context, about 1.6 s), or both sides would wait.
 _MAX_IN_VOCODER_S = 3.0
+# speech tokens of each warm-up sentence (about 3 s of audio): past the vocoder's first job and
+# its first growing chunks. A voice whose LM does not end a sentence (or a test voice with a
+# random one) would otherwise hold start-up for up to `max_tokens` or the warm-up's timeout.
+_WARMUP_MAX_TOKENS = 128
 _PASS_THROUGH = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,
@@ -261,6 +265,7 @@ class Pipeline:
         prompt, the vocoder's first stream). A backend that is not up yet is not waited for."""
         texts = await asyncio.to_thread(self._load, voices)
         for voice in voices:
+            voice = replace(voice, max_tokens=min(voice.max_tokens, _WARMUP_MAX_TOKENS))
             language = voice.languages[0] if len(voice.languages) == 1 else ""
             req = SynthesisRequest(
                 request_id="warmup",

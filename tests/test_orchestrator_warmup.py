@@ -4,6 +4,8 @@ and one short synthesis through the backends, so the first caller does not pay f
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import urllib.request
 
@@ -13,7 +15,7 @@ import pytest
 from orchestrator.launcher import start_service
 from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.procs import metric_value
-from tests.voices import make_tts_voice
+from tests.voices import make_tts_voice, speech_tokens_only
 
 
 def scrape(port: int, name: str) -> float:
@@ -23,7 +25,8 @@ def scrape(port: int, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
-    voice_dir = make_tts_voice(tmp_path_factory.mktemp("voices"))
+    # an LM that never ends a sentence: each synthesis runs to the voice's max_tokens (48)
+    voice_dir = speech_tokens_only(make_tts_voice(tmp_path_factory.mktemp("voices")))
     text = start_service(
         "text-service",
         "text_service",
@@ -72,6 +75,34 @@ def test_start_up_runs_one_synthesis_through_both_backends(backends):
                 )
             )
         assert replies[-1].HasField("report") and replies[-1].report.audio_s > 0
+    finally:
+        orch.proc.terminate()
+        assert orch.proc.wait(30) == 0
+
+
+def test_the_warm_up_synthesis_stops_at_its_own_bound(backends, tmp_path):
+    """A voice may allow far longer sentences than a warm-up needs, and a random LM never ends
+    one: the warm-up still stops after about 3 s of speech a sentence, and succeeds."""
+    voice_dir, text, vocoder = backends
+    rambling = tmp_path / "rambling"
+    shutil.copytree(voice_dir, rambling)
+    manifest = json.loads((rambling / "voice.json").read_text())
+    manifest["max_tokens"] = 400
+    (rambling / "voice.json").write_text(json.dumps(manifest))
+    generated = "splittts_text_generation_tokens_total"
+    streams = 'splittts_vocoder_streams_total{outcome="ok"}'
+    before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, streams)
+    orch = start_service(
+        "orchestrator",
+        "orchestrator",
+        ["--voice", str(rambling), "--text-service", text.address]
+        + ["--vocoder-service", vocoder.address, "--http-port", "-1"],
+    )
+    try:
+        assert scrape(vocoder.metrics_port, streams) == before[1] + 1  # it ran to its end
+        warm_tokens = scrape(text.metrics_port, generated) - before[0]
+        # a sentence in each of the voice's languages, each stopped at 128 tokens, not 400
+        assert 0 < warm_tokens <= 128 * len(manifest["languages"]), warm_tokens
     finally:
         orch.proc.terminate()
         assert orch.proc.wait(30) == 0
