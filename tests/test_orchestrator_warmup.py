@@ -45,25 +45,22 @@ def backends(tmp_path_factory):
         p.proc.wait(30)
 
 
+def orchestrator(voice_dir, text, vocoder):
+    """An orchestrator on the two backends; it returns once it is serving (warm-up done)."""
+    return start_service(
+        "orchestrator",
+        "orchestrator",
+        ["--voice", str(voice_dir), "--text-service", text.address]
+        + ["--vocoder-service", vocoder.address, "--http-port", "0"],
+    )
+
+
 def test_start_up_runs_one_synthesis_through_both_backends(backends):
     voice_dir, text, vocoder = backends
     generated = "splittts_text_time_to_first_token_seconds_count"
     streams = 'splittts_vocoder_streams_total{outcome="ok"}'
     before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, streams)
-    orch = start_service(
-        "orchestrator",
-        "orchestrator",
-        [
-            "--voice",
-            str(voice_dir),
-            "--text-service",
-            text.address,
-            "--vocoder-service",
-            vocoder.address,
-            "--http-port",
-            "0",
-        ],
-    )
+    orch = orchestrator(voice_dir, text, vocoder)
     try:
         # serving, and nobody has called it yet: the backends' work is the warm-up's
         assert scrape(text.metrics_port, generated) > before[0]
@@ -92,12 +89,7 @@ def test_the_warm_up_synthesis_stops_at_its_own_bound(backends, tmp_path):
     generated = "splittts_text_generation_tokens_total"
     streams = 'splittts_vocoder_streams_total{outcome="ok"}'
     before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, streams)
-    orch = start_service(
-        "orchestrator",
-        "orchestrator",
-        ["--voice", str(rambling), "--text-service", text.address]
-        + ["--vocoder-service", vocoder.address, "--http-port", "-1"],
-    )
+    orch = orchestrator(rambling, text, vocoder)
     try:
         assert scrape(vocoder.metrics_port, streams) == before[1] + 1  # it ran to its end
         warm_tokens = scrape(text.metrics_port, generated) - before[0]
