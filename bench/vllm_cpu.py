@@ -5,7 +5,7 @@ and gated attention). vLLM 0.32's CPU build has Qwen3.5 and a CPU Gated DeltaNet
 Qwen3.5 module imports the Qwen3-VL code, whose transformers image processor imports torchvision;
 where only PyPI is reachable the one torchvision for torch 2.13 is CUDA-linked and fails to load
 on the CPU torch, so vLLM cannot load the model. A vLLM run that fails is recorded with its cause
-(`vllm_error`) and the rest of the report still comes.
+(`vllm_error`), the rest of the report still comes, and the script exits with status 1.
 
 vLLM runs in its own venv (never the project's) as a subprocess of this script that writes its
 timing as JSON; it runs twice, with its default threading and with both cores bound
@@ -185,6 +185,7 @@ class VllmFailed(RuntimeError):
         lines = [line.strip() for line in log_text.splitlines() if line.strip()]
         causes = [ln for ln in lines if re.search(r"(ModuleNotFound|Import)Error: ", ln)]
         self.cause = re.sub(r"^.*?\] ", "", causes[0] if causes else (lines or ["no output"])[-1])
+        self.tail = log_text[-3000:]
         super().__init__(f"vLLM ({mode}) exited with {rc}: {self.cause}")
 
 
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
                     args.timeout,
                 )
             except VllmFailed as exc:
-                log(str(exc))
+                log(f"{exc}; log tail:\n{exc.tail}")
                 report["vllm_error"] = exc.cause
                 break  # the other mode loads the same model the same way
             report["runs"][mode] = res
@@ -409,4 +410,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
         worker(*sys.argv[2:])
     else:
-        main()
+        # a comparison whose baseline did not run is reported, and is not a success
+        sys.exit(1 if main().get("vllm_error") else 0)
