@@ -17,6 +17,8 @@ from splittts.tts.v1 import tts_pb2 as pb, tts_pb2_grpc
 from tests.procs import metric_value
 from tests.voices import make_tts_voice, speech_tokens_only
 
+STREAMS_OK = 'splittts_vocoder_streams_total{outcome="ok"}'
+
 
 def scrape(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -58,13 +60,12 @@ def orchestrator(voice_dir, text, vocoder):
 def test_start_up_runs_one_synthesis_through_both_backends(backends):
     voice_dir, text, vocoder = backends
     generated = "splittts_text_time_to_first_token_seconds_count"
-    streams = 'splittts_vocoder_streams_total{outcome="ok"}'
-    before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, streams)
+    before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, STREAMS_OK)
     orch = orchestrator(voice_dir, text, vocoder)
     try:
         # serving, and nobody has called it yet: the backends' work is the warm-up's
         assert scrape(text.metrics_port, generated) > before[0]
-        assert scrape(vocoder.metrics_port, streams) == before[1] + 1
+        assert scrape(vocoder.metrics_port, STREAMS_OK) == before[1] + 1
         with grpc.insecure_channel(orch.address) as ch:  # and it still serves callers as ever
             replies = list(
                 tts_pb2_grpc.TextToSpeechStub(ch).Synthesize(
@@ -87,11 +88,10 @@ def test_the_warm_up_synthesis_stops_at_its_own_bound(backends, tmp_path):
     manifest["max_tokens"] = 400
     (rambling / "voice.json").write_text(json.dumps(manifest))
     generated = "splittts_text_generation_tokens_total"
-    streams = 'splittts_vocoder_streams_total{outcome="ok"}'
-    before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, streams)
+    before = scrape(text.metrics_port, generated), scrape(vocoder.metrics_port, STREAMS_OK)
     orch = orchestrator(rambling, text, vocoder)
     try:
-        assert scrape(vocoder.metrics_port, streams) == before[1] + 1  # it ran to its end
+        assert scrape(vocoder.metrics_port, STREAMS_OK) == before[1] + 1  # it ran to its end
         warm_tokens = scrape(text.metrics_port, generated) - before[0]
         # a sentence in each of the voice's languages, each stopped at 128 tokens, not 400
         assert 0 < warm_tokens <= 128 * len(manifest["languages"]), warm_tokens
