@@ -1,15 +1,19 @@
-"""A speech LM's decode step at 1, 4 and 8 sequences: the CPU kernels against the torch reference.
+"""A speech LM's decode step at 1, 4 and 8 sequences: replayed graphs, eager compiled kernels,
+the torch reference.
 
 On a speech LM of a few million parameters (the default voice's) a decode step is mostly the
 Python and dispatch around its operators, so this is where a change to the model code, the
-kernels' wrappers, the sampler or the step's metadata shows. Two engines hold the same requests
-(the voice's phoneme prompts, decoded greedily under a forced duration schedule, so each makes
-exactly `--tokens` tokens), one built on the CPU's `Ops` (compiled kernels) and one on
-`REFERENCE_OPS` (torch alone). They live in one process and step in lockstep, alternating which
-goes first, so a machine shared with other work slows both alike (as `bench.phoneme_sync`).
-Per batch size: each side's median step over the runs, the ratio reference / compiled, and
-where the compiled step goes (the model's forward, the LM head, the sampler, the step's
-metadata; the rest is the scheduler and bookkeeping), medians of as many runs of its own.
+kernels' wrappers, the sampler or the step's metadata shows. Three engines hold the same
+requests (the voice's phoneme prompts, decoded greedily under a forced duration schedule, so
+each makes exactly `--tokens` tokens): `graphs` replays its decode steps from graphs captured
+per batch size (text_service.decode_graphs, the engine's default on CPU), `eager` runs the same
+compiled kernels (the CPU's `Ops`) through the modules, `reference` runs `REFERENCE_OPS` (torch
+alone) eagerly. They live in one process and step in lockstep, rotating which goes first, so a
+machine shared with other work slows all alike (as `bench.phoneme_sync`). Per batch size: each
+engine's median step over the runs, the ratios eager / graphs and reference / graphs, and where
+each compiled engine's step goes (the replayed graph, or the model's forward and LM head; the
+sampler, the step's metadata; the rest is the scheduler and bookkeeping), medians of as many
+runs of its own.
 
     python -m bench.lm_step [--model voices/default/lm] [--seqs 1,4,8] [--tokens 160] [--runs 5] [--json]
 """
@@ -28,22 +32,24 @@ from bench.phoneme_sync import _prompts, build, lockstep, parser, voice_tokens
 from bench.workload import machine_load
 
 
-def engines(args, seqs: int, prompts, speech, end, reference: bool = True) -> dict:
-    """The compiled and (`reference`) the reference engine, holding the same `seqs` requests."""
+def engines(args, seqs: int, prompts, speech, end, only: str | None = None) -> dict:
+    """The `graphs`, `eager` and `reference` engines (or the one named `only`), each holding the
+    same `seqs` requests."""
     from kernels import ops as ops_table
 
-    def make():
-        return build(args.model, seqs, args.tokens, True, prompts[:seqs], speech, end, 0.0)
+    def make(graphs: int):
+        return build(args.model, seqs, args.tokens, True, prompts[:seqs], speech, end, 0.0, graphs)
 
-    if not reference:
-        return {"compiled": make()}
-    cpu = ops_table.get_ops("cpu")
-    try:  # the model takes its ops table once, when it is built
-        ops_table._chosen["cpu"] = ops_table.REFERENCE_OPS
-        reference = make()
-    finally:
-        ops_table._chosen["cpu"] = cpu
-    return {"compiled": make(), "reference": reference}
+    def reference():
+        cpu = ops_table.get_ops("cpu")
+        try:  # the model takes its ops table once, when it is built
+            ops_table._chosen["cpu"] = ops_table.REFERENCE_OPS
+            return make(0)
+        finally:
+            ops_table._chosen["cpu"] = cpu
+
+    makers = {"graphs": lambda: make(8), "eager": lambda: make(0), "reference": reference}
+    return {name: maker() for name, maker in makers.items() if only in (None, name)}
 
 
 def parts(engine, expected: int) -> dict[str, float]:
@@ -64,9 +70,11 @@ def parts(engine, expected: int) -> dict[str, float]:
 
     timed(runner.model, "compute_logits", "lm_head")
     timed(runner.model, "forward", "forward")
+    for graph in runner.graphs.graphs.values():
+        timed(graph.module, "forward", "graph")
     timed(runner, "sampler", "sampler")
     timed(runner, "_prepare", "metadata")
-    total = lockstep([("compiled", engine)], expected)["compiled"]
+    total = lockstep([("engine", engine)], expected)["engine"]
     steps = total[2]
     out = {label: 1e3 * s / steps for label, s in spent.items()}
     out["rest"] = 1e3 * total[0] / steps - sum(out.values())
@@ -84,31 +92,34 @@ def main() -> None:
     for seqs in sizes:
         expected = seqs * args.tokens
         lockstep(list(engines(args, seqs, prompts, speech, end).items()), expected)  # warm-up
-        steps: dict[str, list[float]] = {"compiled": [], "reference": []}
+        steps: dict[str, list[float]] = defaultdict(list)
         for r in range(args.runs):
             order = list(engines(args, seqs, prompts, speech, end).items())
-            spent = lockstep(order if r % 2 else order[::-1], expected)
+            spent = lockstep(order[r % 3 :] + order[: r % 3], expected)
             for name, (wall, _cpu, n) in spent.items():
                 steps[name].append(1e3 * wall / n)
             print(
-                f"{seqs} seqs: compiled {steps['compiled'][-1]:.3f} ms  reference "
-                f"{steps['reference'][-1]:.3f} ms a step",
+                f"{seqs} seqs: "
+                + "  ".join(f"{name} {steps[name][-1]:.3f} ms" for name, _ in order)
+                + " a step",
                 file=sys.stderr,
                 flush=True,
             )
-        compiled, reference = (statistics.median(steps[k]) for k in ("compiled", "reference"))
-        split = [
-            parts(engines(args, seqs, prompts, speech, end, reference=False)["compiled"], expected)
-            for _ in range(args.runs)
-        ]
-        result[f"seqs_{seqs}"] = {
-            "compiled_step_ms": round(compiled, 4),
-            "reference_step_ms": round(reference, 4),
-            "reference_vs_compiled": round(reference / compiled, 4),
-            "compiled_parts_ms": {
-                part: round(statistics.median(r[part] for r in split), 4) for part in split[0]
-            },
-        }
+        median = {name: statistics.median(v) for name, v in steps.items()}
+        entry: dict = {f"{name}_step_ms": round(v, 4) for name, v in median.items()}
+        entry["eager_vs_graphs"] = round(median["eager"] / median["graphs"], 4)
+        entry["reference_vs_graphs"] = round(median["reference"] / median["graphs"], 4)
+        for name in ("graphs", "eager"):
+            split = [
+                parts(engines(args, seqs, prompts, speech, end, only=name)[name], expected)
+                for _ in range(args.runs)
+            ]
+            labels = sorted({label for r in split for label in r})
+            entry[f"{name}_parts_ms"] = {
+                label: round(statistics.median(r.get(label, 0.0) for r in split), 4)
+                for label in labels
+            }
+        result[f"seqs_{seqs}"] = entry
     result["load_after"] = machine_load()
     print(json.dumps(result, indent=None if args.json else 1))
 

@@ -52,9 +52,11 @@ def build(
     speech: tuple[int, int],
     end: int,
     temperature: float = 0.7,
+    decode_graphs: int = 8,
 ):
     """An engine holding `seqs` requests of exactly `tokens` output tokens each, sampled at
-    `temperature` with top-k 50 (0: greedy, as the default voice decodes)."""
+    `temperature` with top-k 50 (0: greedy, as the default voice decodes); decode steps of up
+    to `decode_graphs` sequences replay captured graphs (0: eager)."""
     from text_service.constraints import PhonemeSync
     from text_service.engine import EngineArgs, LLMEngine
     from text_service.sampling_params import SamplingParams
@@ -67,6 +69,7 @@ def build(
             seed=0,
             kv_cache_memory_bytes=1 << 29,
             enable_prefix_caching=False,
+            decode_graphs=decode_graphs,
         )
     )
     for i, prompt in enumerate(prompts):

@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens a request may have made ahead of its reader before it is paused",
     )
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--decode-graphs",
+        type=int,
+        default=8,
+        help="decode steps of up to this many sequences replay graphs captured at start "
+        "(CPU only; 0: every step eager)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="warning")
@@ -107,6 +114,7 @@ async def run(args: argparse.Namespace) -> None:
             max_model_len=args.max_model_len,
             max_num_waiting=args.max_num_waiting,
             enable_prefix_caching=args.prefix_caching,
+            decode_graphs=args.decode_graphs,
         )
     )
     # A dead engine loop stops the server (health NOT_SERVING, in-flight calls already failed)

@@ -39,6 +39,8 @@ class EngineArgs:
     num_snapshot_slots: int = 64
     max_num_waiting: int = 1024
     seed: int = 0
+    # decode-only steps of up to this many sequences replay captured graphs (CPU only)
+    decode_graphs: int = 8
 
 
 @dataclass
@@ -99,6 +101,7 @@ class LLMEngine:
             max_model_len,
             eos,
             args.seed,
+            decode_graphs=args.decode_graphs,
         )
         self.dtype = self.runner.dtype
         hybrid = self.runner.is_hybrid

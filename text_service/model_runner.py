@@ -11,6 +11,7 @@ import torch
 from servicekit.memory import keep_onednn_primitives, retain_freed_memory
 from text_service.config import EngineConfig
 from text_service.context import Context, reset_context, set_context
+from text_service.decode_graphs import DecodeGraphs
 from text_service.loader import load_model
 from text_service.models.cache import (
     allocate_caches,
@@ -77,7 +78,12 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
+        decode_graphs: int = 0,
     ):
+        """`decode_graphs`: decode-only steps of up to this many sequences replay a graph
+        captured once per batch size (CPU only; text_service.decode_graphs), 0 for none."""
+        if decode_graphs < 0:
+            raise ValueError(f"decode_graphs must be >= 0, got {decode_graphs}")
         self.device = torch.device(device)
         if self.device.type == "cpu":
             retain_freed_memory()
@@ -91,6 +97,8 @@ class ModelRunner:
         self.is_hybrid = bool(self.model.linear_attention_layers())
         self.sampler = Sampler(self.vocab_size, self.device, eos_token_ids, seed)
         self.config: EngineConfig | None = None
+        self.decode_graph_seqs = decode_graphs if self.device.type == "cpu" else 0
+        self.graphs = DecodeGraphs({})
         self._arrays: weakref.WeakKeyDictionary[Sequence, _SeqArrays] = weakref.WeakKeyDictionary()
 
     # -- cache pools --------------------------------------------------------------------------
@@ -146,6 +154,14 @@ class ModelRunner:
             device=self.device,
         )
         self.config = config
+        if self.decode_graph_seqs:
+            self.graphs = DecodeGraphs.capture_all(
+                self.model,
+                min(self.decode_graph_seqs, config.max_num_seqs),
+                block_size=config.block_size,
+                num_kv_blocks=config.num_kv_blocks,
+                max_blocks=config.max_blocks_per_seq,
+            )
 
     def cache_bytes(self) -> int:
         """Bytes held by the attached KV and state pools."""
@@ -241,12 +257,17 @@ class ModelRunner:
             seqs, batch.num_new_tokens, batch.num_decodes, samples
         )
         self._copy_states(batch.copies_before)
-        set_context(ctx)
-        try:
-            hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden) if ctx.logits_indices.numel() else None
-        finally:
-            reset_context()
+        graph = self.graphs.get(len(seqs)) if ctx.all_decodes and ctx.all_slots_valid else None
+        logits: torch.Tensor | None
+        if graph is not None and all(samples):
+            logits = graph(input_ids, positions, ctx)
+        else:
+            set_context(ctx)
+            try:
+                hidden = self.model(input_ids, positions)
+                logits = self.model.compute_logits(hidden) if ctx.logits_indices.numel() else None
+            finally:
+                reset_context()
         self._copy_states(batch.copies_after)
         if logits is None:
             return [None] * len(seqs)
