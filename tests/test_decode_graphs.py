@@ -105,10 +105,12 @@ def drive(e: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("name", list(KINDS))
-def test_replayed_steps_give_the_eager_logits_bit_for_bit(models, name):
+@pytest.mark.parametrize(
+    "name, dtype", [(name, "float32") for name in KINDS] + [("hybrid", "bfloat16")]
+)
+def test_replayed_steps_give_the_eager_logits_bit_for_bit(models, name, dtype):
     path = models(name)
-    graphed, eager = engine(path, graphs=6), engine(path, graphs=0)
+    graphed, eager = engine(path, graphs=6, dtype=dtype), engine(path, graphs=0, dtype=dtype)
     assert graphed.runner.graphs.sizes == [1, 2, 3, 4, 5, 6]
     assert eager.runner.graphs.sizes == []
     graph_logits, replays = record(graphed)
