@@ -97,6 +97,19 @@ def test_text_service_refuses_a_truncated_checkpoint(model_dir, tmp_path):
     assert "Traceback" not in result.stderr and '"event": "serving"' not in result.stdout
 
 
+def test_text_service_refuses_a_negative_decode_graph_count(model_dir):
+    result = second(
+        "text_service",
+        "--model",
+        str(model_dir),
+        "--kv-cache-memory",
+        "32MiB",
+        "--decode-graphs",
+        "-1",
+    )
+    assert_refused(result, "text-service: decode_graphs must be >= 0, got -1")
+
+
 def test_vocoder_service_refuses_a_busy_grpc_port(voice_dir):
     args = ("--voice", str(voice_dir), "--threads", "1")
     first = ServiceProcess("vocoder_service", *args)
