@@ -85,6 +85,13 @@ class _Recorder(TorchDispatchMode):
         self.seen: list[Tensor] = []  # every tensor met, kept alive so that ids stay unique
         self.refusal: str | None = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ to keep torch.compile out of
+        # it, which imports torch._dynamo on the first call: 1-2 s of every service start. The
+        # recorder never runs under torch.compile.
+        return False
+
     def _node(self, t: Tensor) -> fx.Node:
         node = self.nodes.get(id(t))
         if node is None:
