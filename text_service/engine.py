@@ -136,7 +136,7 @@ class LLMEngine:
         self._generate_ids = itertools.count()
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d, %d state + %d snapshot slots, "
-            "%.1f MiB of caches",
+            "%.1f MiB of caches, decode graphs for batch sizes %s",
             self.model_config.model_type,
             self.device,
             self.dtype,
@@ -145,6 +145,7 @@ class LLMEngine:
             num_state_slots,
             num_snapshot_slots,
             self.runner.cache_bytes() / 2**20,
+            self.runner.graphs.sizes or "none",
         )
 
     # -- requests -----------------------------------------------------------------------------
