@@ -71,13 +71,7 @@ class Tiny:
         return LLMEngine(EngineArgs(**{**args, **kwargs}))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from threads, and on a busy machine they lose a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
