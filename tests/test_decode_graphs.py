@@ -9,6 +9,7 @@ from hf_models import make_tiny_model
 from kernels import ops as ops_table
 from text_service.decode_graphs import CaptureRefused, capture
 from text_service.engine import EngineArgs, LLMEngine
+from text_service.models.cache import kv_pools, state_pools
 from text_service.sampling_params import SamplingParams
 
 LIN = "linear_attention"
@@ -124,20 +125,13 @@ def test_graph_sizes_follow_the_batch_limit(models):
     assert engine(models("hybrid"), graphs=2).runner.graphs.sizes == [1, 2]
 
 
-def pools(model) -> list[torch.Tensor]:
-    tensors = [t for a in model.attention_layers().values() for t in (a.k_cache, a.v_cache)]
-    return tensors + [
-        t for m in model.linear_attention_layers().values() for t in (m.conv_state, m.ssm_state)
-    ]
-
-
 def test_capture_leaves_the_cache_pools_as_it_found_them(models):
     e = engine(models("hybrid"), graphs=0)
     model, config = e.runner.model, e.config
     generator = torch.Generator().manual_seed(0)
-    for t in pools(model):
+    for t in kv_pools(model) + state_pools(model):
         t.copy_(torch.randn(t.shape, generator=generator))
-    before = [t.clone() for t in pools(model)]
+    before = [t.clone() for t in kv_pools(model) + state_pools(model)]
     graph = capture(
         model,
         4,
@@ -146,7 +140,7 @@ def test_capture_leaves_the_cache_pools_as_it_found_them(models):
         max_blocks=config.max_blocks_per_seq,
     )
     assert graph.num_seqs == 4
-    assert all(torch.equal(a, b) for a, b in zip(pools(model), before))
+    assert all(torch.equal(a, b) for a, b in zip(kv_pools(model) + state_pools(model), before))
 
 
 def test_a_step_that_reads_tensor_values_on_the_host_is_not_captured(models, monkeypatch, caplog):

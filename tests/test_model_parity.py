@@ -12,7 +12,9 @@ from text_service.models.cache import (
     allocate_caches,
     copy_state_slots,
     kv_bytes_per_block,
+    kv_pools,
     state_bytes_per_slot,
+    state_pools,
 )
 
 ATOL = 1e-4
@@ -234,12 +236,8 @@ def test_cache_specs_follow_config(models):
             config.linear_value_head_dim,
         )
         assert mixer.ssm_state.dtype == torch.float32
-    caches = [t for a in ours.attention_layers().values() for t in (a.k_cache, a.v_cache)]
-    states = [
-        t for m in ours.linear_attention_layers().values() for t in (m.conv_state, m.ssm_state)
-    ]
-    assert kv_bytes_per_block(ours, 4) * 10 == sum(t.nbytes for t in caches)
-    assert state_bytes_per_slot(ours) * 3 == sum(t.nbytes for t in states)
+    assert kv_bytes_per_block(ours, 4) * 10 == sum(t.nbytes for t in kv_pools(ours))
+    assert state_bytes_per_slot(ours) * 3 == sum(t.nbytes for t in state_pools(ours))
 
 
 def test_copy_state_slots_copies_every_layer(models):

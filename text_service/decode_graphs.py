@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from text_service.context import Context, reset_context, set_context
 from text_service.models.base import CausalLM
+from text_service.models.cache import kv_pools, state_pools
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +96,11 @@ class _Recorder(TorchDispatchMode):
     def _node(self, t: Tensor) -> fx.Node:
         node = self.nodes.get(id(t))
         if node is None:
-            name = self.owned.get(id(t))
-            if name is None:
+            if id(t) not in self.owned:
                 self.refusal = self.refusal or (
                     f"the step touched a {tuple(t.shape)} {t.dtype} tensor that is neither an "
                     "input, the output of an operator in the step, nor the model's own"
                 )
-                name = f"_foreign{len(self.seen)}"
             attr = f"_c{len(self.nodes)}"
             setattr(self.root, attr, t)
             node = self.nodes[id(t)] = self.graph.get_attr(attr)
@@ -238,22 +237,10 @@ def capture(
     graph, root = fx.Graph(), nn.Module()
     nodes = {id(inputs[name]): graph.placeholder(name) for name in INPUT_NAMES}
     recorder = _Recorder(graph, root, nodes, owned)
-    pools = [
-        t
-        for layer in model.attention_layers().values()
-        for t in (layer.k_cache, layer.v_cache)
-        if isinstance(t, Tensor)
-    ]
-    states = [
-        t
-        for mixer in model.linear_attention_layers().values()
-        for t in (mixer.conv_state, mixer.ssm_state)
-        if isinstance(t, Tensor)
-    ]
     with (
         torch.inference_mode(),
-        _restored(pools, blocks),
-        _restored(states, inputs["state_indices"]),
+        _restored(kv_pools(model), blocks),
+        _restored(state_pools(model), inputs["state_indices"]),
     ):
         set_context(ctx)
         try:

@@ -17,7 +17,9 @@ from text_service.models.cache import (
     allocate_caches,
     copy_state_slots,
     kv_bytes_per_block,
+    kv_pools,
     state_bytes_per_slot,
+    state_pools,
 )
 from text_service.sampler import Sampler
 from text_service.scheduler import SchedulerOutput
@@ -165,15 +167,7 @@ class ModelRunner:
 
     def cache_bytes(self) -> int:
         """Bytes held by the attached KV and state pools."""
-        tensors = [
-            t for a in self.model.attention_layers().values() for t in (a.k_cache, a.v_cache)
-        ]
-        tensors += [
-            t
-            for m in self.model.linear_attention_layers().values()
-            for t in (m.conv_state, m.ssm_state)
-        ]
-        return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+        return sum(t.nbytes for t in kv_pools(self.model) + state_pools(self.model))
 
     # -- one step -----------------------------------------------------------------------------
     def _arrays_of(self, seq: Sequence) -> _SeqArrays:

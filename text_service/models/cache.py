@@ -125,6 +125,20 @@ def allocate_caches(
         mixer.ssm_state = zeros_in_huge_pages(state.ssm_shape(num_slots), state.ssm_dtype, device)
 
 
+def kv_pools(model: CausalLM) -> list[torch.Tensor]:
+    """The attached K and V pools, layer by layer."""
+    pools = [t for a in model.attention_layers().values() for t in (a.k_cache, a.v_cache)]
+    return [t for t in pools if isinstance(t, torch.Tensor)]
+
+
+def state_pools(model: CausalLM) -> list[torch.Tensor]:
+    """The attached conv and recurrent state pools, layer by layer."""
+    pools = [
+        t for m in model.linear_attention_layers().values() for t in (m.conv_state, m.ssm_state)
+    ]
+    return [t for t in pools if isinstance(t, torch.Tensor)]
+
+
 def copy_state_slots(model: CausalLM, src: list[int], dst: list[int]) -> None:
     """Copy conv and recurrent state from slot ``src[i]`` to ``dst[i]`` in every linear-attention layer."""
     if len(src) != len(dst):
