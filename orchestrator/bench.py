@@ -121,6 +121,10 @@ def run_level(
         "ttfa_p95_ms": percentile(ttfa, 95),
         "ttfa_p99_ms": percentile(ttfa, 99),
         "ttft_p50_ms": percentile([r.ttft_ms for r in reports], 50),
+        # where the median first audio went: its input sent to the vocoder, the vocoder's time
+        "first_chunk_input_p50_ms": percentile([r.first_chunk_input_ms for r in reports], 50),
+        "first_chunk_vocoder_p50_ms": percentile([r.first_chunk_vocoder_ms for r in reports], 50),
+        "first_chunk_compute_p50_ms": percentile([r.first_chunk_compute_ms for r in reports], 50),
         "rtf_mean": statistics.fmean([r.rtf for r in reports]) if reports else 0.0,
         "rtf_max": max((r.rtf for r in reports), default=0.0),
         "underruns": sum(r.underruns for r in reports),

@@ -150,6 +150,11 @@ def latency_table(report) -> str:
         ("text prefill", f"{report.prefill_ms:8.1f} ms"),
         ("text decode", f"{report.decode_ms:8.1f} ms"),
         ("vocoder compute", f"{report.vocoder_compute_ms:8.1f} ms"),
+        ("first chunk: input sent", f"{report.first_chunk_input_ms:8.1f} ms"),
+        (
+            "first chunk: vocoder",
+            f"{report.first_chunk_vocoder_ms:8.1f} ms ({report.first_chunk_compute_ms:.1f} compute)",
+        ),
     ]
     rows += [
         (

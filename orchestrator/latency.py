@@ -54,6 +54,10 @@ class LatencyTracker:
     num_chunks: int = 0
     underruns: int = 0
     max_gap_ms: float = 0.0
+    # the first audio chunk's input and the vocoder's time on it (`on_first_chunk`)
+    first_chunk_input_ms: float | None = None
+    first_chunk_vocoder_ms: float = 0.0
+    first_chunk_compute_ms: float = 0.0
 
     def on_segment_done(
         self, timings, client_first_ms: float | None, client_total_ms: float
@@ -68,6 +72,15 @@ class LatencyTracker:
             self.text_hop.add(client_first_ms - timings.ttft_ms)
         self.text_hop.add(client_total_ms - timings.total_ms)
         self.num_segments += 1
+
+    def on_first_chunk(self, input_sent: float, service_ms: float, compute_ms: float) -> None:
+        """The vocoder's first audio chunk: `input_sent` is when the message that completed its
+        input left here; the vocoder reported `service_ms` from that input's arrival to the
+        chunk leaving, `compute_ms` of it in its forward. Later chunks change nothing."""
+        if self.first_chunk_input_ms is None:
+            self.first_chunk_input_ms = 1e3 * (input_sent - self.arrival)
+            self.first_chunk_vocoder_ms = service_ms
+            self.first_chunk_compute_ms = compute_ms
 
     def on_audio_sent(self, duration_s: float, now: float | None = None) -> None:
         """Count a chunk leaving us; an underrun is a chunk later than the audio already out."""
@@ -107,4 +120,7 @@ class LatencyTracker:
             max_chunk_gap_ms=self.max_gap_ms,
             num_speech_tokens=self.num_speech_tokens,
             num_segments=self.num_segments,
+            first_chunk_input_ms=self.first_chunk_input_ms or 0.0,
+            first_chunk_vocoder_ms=self.first_chunk_vocoder_ms,
+            first_chunk_compute_ms=self.first_chunk_compute_ms,
         )

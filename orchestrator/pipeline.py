@@ -609,9 +609,9 @@ class Pipeline:
                 continue
             t = resp.timings
             if 0 <= t.trigger_message < len(vocoder.sent_at):
-                tracker.vocoder_hop.add(
-                    1e3 * (now - vocoder.sent_at[t.trigger_message]) - t.service_ms
-                )
+                sent = vocoder.sent_at[t.trigger_message]
+                tracker.vocoder_hop.add(1e3 * (now - sent) - t.service_ms)
+                tracker.on_first_chunk(sent, t.service_ms, t.compute_ms)
             in_vocoder.taken(resp.audio.num_samples / vocoder.voice.sample_rate)
             pcm = np.frombuffer(resp.audio.pcm, dtype="<i2").astype(np.float32) / 32767.0
             pieces = out.push(pcm)

@@ -116,6 +116,11 @@ def test_synthesize_equals_offline_vocoding_of_the_same_tokens(deployment, voice
     )
     assert report.num_segments == 2 and report.num_speech_tokens == len(tokens)
     assert 0 < report.ttft_ms and 0 < report.ttfa_ms <= report.total_ms
+    # the first audio, accounted for: its input reached the vocoder after the first token and
+    # was vocoded within the time to first audio
+    first = report.first_chunk_input_ms
+    assert report.ttft_ms < first < first + report.first_chunk_vocoder_ms <= report.ttfa_ms
+    assert 0 < report.first_chunk_compute_ms <= report.first_chunk_vocoder_ms
     assert report.audio_s == pytest.approx(len(audio) / 22050, rel=1e-6)
     assert report.rtf == pytest.approx(report.total_ms / 1e3 / report.audio_s, rel=1e-3)
     assert report.vocoder_compute_ms > 0 and report.decode_ms > 0

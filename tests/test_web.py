@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
 import threading
@@ -198,6 +199,15 @@ def test_speak_a_sentence_schedules_audio_and_fills_the_latency_panel(tab, shots
     assert names[-1] == "total"
     assert all(ms.endswith(" ms") and float(ms.split()[0]) >= 0 for _, ms in stages)
     assert float(stages[-1][1].split()[0]) == pytest.approx(r["total_ms"], abs=0.1)
+    details = tab.page.eval_on_selector_all(
+        "#details dt, #details dd", "els => els.map(e => e.textContent)"
+    )
+    first = re.fullmatch(
+        r"input sent ([\d.]+) ms, vocoder ([\d.]+) ms", details[details.index("first chunk") + 1]
+    )
+    assert first is not None and r["first_chunk_input_ms"] > 0
+    assert float(first[1]) == pytest.approx(r["first_chunk_input_ms"], abs=0.051)
+    assert float(first[2]) == pytest.approx(r["first_chunk_vocoder_ms"], abs=0.051)
 
     # Download WAV: a valid 16-bit mono file holding exactly the received samples.
     wav = tab.page.evaluate("""async () => {

@@ -35,7 +35,8 @@ function showReport(r) {
     row.append(label, bar, value);
     return row;
   }));
-  const details = [["audio", `${fmt(r.audio_s, 2)} s`], ["chunks", r.num_chunks],
+  const details = [["first chunk", `input sent ${fmt(r.first_chunk_input_ms)} ms, vocoder ${fmt(r.first_chunk_vocoder_ms)} ms`],
+                   ["audio", `${fmt(r.audio_s, 2)} s`], ["chunks", r.num_chunks],
                    ["speech tokens", r.num_speech_tokens], ["segments", r.num_segments],
                    ["max chunk gap", `${fmt(r.max_chunk_gap_ms)} ms`], ["audio s / wall s", fmt(r.rtf ? 1 / r.rtf : 0, 2)],
                    ["request id", r.request_id], ["browser underruns", demo.underruns],
