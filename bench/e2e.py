@@ -91,6 +91,7 @@ def serve_colocated(args) -> None:
 # default, `orchestrator.launcher.default_cpus`, with one vocoder worker per core).
 PINNED = {"text": {0}, "orchestrator": {0}, "vocoder": {1}}
 MACHINE_CORES = frozenset(os.sched_getaffinity(0))
+SHARED = {name: set(MACHINE_CORES) for name in ("text", "orchestrator", "vocoder")}
 AUTO = ["--threads", "1"]  # the vocoder picks its precision by the CPU (`auto_backend`)
 BF16 = ["--backend", "torch", "--bf16", "--threads", "1"]
 INT8 = ["--backend", "onnx", "--int8", "--threads", "1"]
@@ -98,6 +99,7 @@ INT8_TORCH = ["--backend", "torch", "--int8", "--threads", "1"]
 LAYOUTS: dict[str, tuple[list[str], dict[str, set[int]] | None]] = {
     "the CPU's precision, vocoder on both cores, 2 workers (default)": (AUTO, None),
     "as the default, at Python's 5 ms GIL switch interval": ([*AUTO, "--gil-switch-ms", "5"], None),
+    "the CPU's precision, every service on both cores, vocoder niced, 2 workers": (AUTO, SHARED),
     "bf16 torch, vocoder on both cores, 2 workers": (BF16, None),
     "bf16 torch, pinned": (BF16, PINNED),
     "bf16 torch, 2 threads, unpinned": (["--backend", "torch", "--bf16", "--threads", "2"], {}),
