@@ -358,9 +358,7 @@ def main() -> int:
             if c1["ttfa_p50_ms"]
             else None,
             "ttft_p50_ms": c1["ttft_p50_ms"],
-            "first_chunk_input_p50_ms": c1["first_chunk_input_p50_ms"],
-            "first_chunk_vocoder_p50_ms": c1["first_chunk_vocoder_p50_ms"],
-            "first_chunk_compute_p50_ms": c1["first_chunk_compute_p50_ms"],
+            **{k: v for k, v in c1.items() if k.startswith("first_chunk_")},
             "rtf": c1["rtf_mean"],
             "rtf_c4": c4["rtf_mean"],
             "rtf_c8": c8["rtf_mean"],

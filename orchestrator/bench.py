@@ -31,6 +31,9 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+# the LatencyReport's parts of the first chunk (`first_chunk_<part>_ms`)
+FIRST_CHUNK_PARTS = ("input", "vocoder", "compute")
+
 # A listener's jitter buffer: playback starts this long after the first audio arrives. The
 # report counts underruns with none; the capacity goal allows this much.
 CLIENT_BUFFER_MS = 150.0
@@ -122,9 +125,12 @@ def run_level(
         "ttfa_p99_ms": percentile(ttfa, 99),
         "ttft_p50_ms": percentile([r.ttft_ms for r in reports], 50),
         # where the median first audio went: its input sent to the vocoder, the vocoder's time
-        "first_chunk_input_p50_ms": percentile([r.first_chunk_input_ms for r in reports], 50),
-        "first_chunk_vocoder_p50_ms": percentile([r.first_chunk_vocoder_ms for r in reports], 50),
-        "first_chunk_compute_p50_ms": percentile([r.first_chunk_compute_ms for r in reports], 50),
+        **{
+            f"first_chunk_{part}_p50_ms": percentile(
+                [getattr(r, f"first_chunk_{part}_ms") for r in reports], 50
+            )
+            for part in FIRST_CHUNK_PARTS
+        },
         "rtf_mean": statistics.fmean([r.rtf for r in reports]) if reports else 0.0,
         "rtf_max": max((r.rtf for r in reports), default=0.0),
         "underruns": sum(r.underruns for r in reports),
