@@ -35,6 +35,11 @@ V1_TINY = dict(
     resblock_kernel_sizes=[3, 7, 11],
     resblock_dilation_sizes=[[1, 3, 5]] * 3,
 )
+# stages with fewer residual blocks (the first n kernels): each stage lags by its own widest
+V1_FEWER_BLOCKS = {**V1_TINY, "resblocks_per_stage": [1, 2, 3, 2]}
+ARCHS = pytest.mark.parametrize(
+    "arch", [V1_TINY, V3_TINY, V1_FEWER_BLOCKS], ids=["V1", "V3", "V1-fewer-blocks"]
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +75,7 @@ def test_pretrained_generators_consume_every_key():
     assert not torch.allclose(outputs[0], outputs[1])  # two different voices
 
 
-@pytest.mark.parametrize("arch", [V1_TINY, V3_TINY], ids=["V1", "V3"])
+@ARCHS
 def test_receptive_field_is_exact(arch):
     # channel counts do not change the receptive field, so tiny widths stand in for the real ones
     config = HifiGanConfig.from_dict(arch)
@@ -220,10 +225,16 @@ def test_config_validation():
         HifiGanConfig.from_dict({"resblock": "1"})
     with pytest.raises(ValueError, match="even"):
         HifiGanConfig.from_dict({**V1_TINY, "upsample_kernel_sizes": [15, 16, 4, 4]})
+    for counts in ([3, 3, 3], [0, 3, 3, 3], [3, 3, 3, 4]):
+        with pytest.raises(ValueError, match="resblocks_per_stage needs one count per"):
+            HifiGanConfig.from_dict({**V1_TINY, "resblocks_per_stage": counts})
+    fewer = HifiGanConfig.from_dict(V1_FEWER_BLOCKS)
+    assert HifiGanConfig.from_dict(fewer.to_dict()) == fewer
+    assert "resblocks_per_stage" not in HifiGanConfig.from_dict(V1_TINY).to_dict()
     assert isinstance(resolve_checkpoint(), GeneratorCheckpoint)
 
 
-@pytest.mark.parametrize("arch", [V1_TINY, V3_TINY], ids=["V1", "V3"])
+@ARCHS
 @pytest.mark.parametrize("chunks", [[40], [14, 1, 1, 9, 15], [20, 20, 0]])
 def test_stateful_streaming_equals_offline(arch, chunks):
     """Chunk by chunk with carried layer tails, the output is offline synthesis, sample for

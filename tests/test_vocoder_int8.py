@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from kernels import onednn_conv
 from tests.test_backends import STACK_STEPS, _stacked_against_alone
-from tests.test_hifigan import V1_TINY
+from tests.test_hifigan import V1_FEWER_BLOCKS, V1_TINY
 from tests.test_vocoder_service import info_and_audio, snr_db, vocoder_process
 from tests.voices import make_random_voice
 from vocoder_service import quantize
@@ -350,3 +350,37 @@ def test_int8_flag_needs_the_cpu_and_a_calibrated_voice(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and match in lines[0], (flags, r.stderr)
         assert "Error" not in lines[0].split(":")[0]
+
+
+def test_int8_blocks_count_each_stages_own_blocks():
+    fewer = HifiGanConfig.from_dict(V1_FEWER_BLOCKS)  # 1, 2, 3 and 2 blocks a stage
+    assert [int8_blocks(fewer, keep) for keep in (4, 3, 2, 1, 0)] == [0, 1, 3, 6, 8]
+    assert int8_blocks(TINY, 1) == 9
+
+
+def test_a_generator_with_fewer_blocks_streams_in_onnx_runtime_fp32_and_int8(tmp_path):
+    """Stages of 1, 2, 3 and 2 blocks: the exported streaming graphs equal torch offline in
+    fp32, and int8 quantises the first three stages' 6 blocks and tracks fp32."""
+    config = HifiGanConfig.from_dict(V1_FEWER_BLOCKS)
+    torch.manual_seed(1)
+    g = Generator(config).remove_weight_norm()
+    folder = tmp_path / "fewer"
+    folder.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in g.state_dict().items()},
+        str(folder / "generator.safetensors"),
+    )
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    checkpoint = resolve_checkpoint(folder)
+    mel = mels(1, 50, 4)[0]
+    want = TorchBackend(checkpoint).run(mel)[0]
+    cache = tmp_path / "cache"
+    fp32 = OnnxBackend(checkpoint, cache_dir=cache, intra_op_threads=1)
+    assert np.abs(streamed(fp32, mel) - want).max() <= 1e-4
+    int8 = OnnxBackend(
+        checkpoint, int8=True, calibration=mels(3, 60, 0), cache_dir=cache, intra_op_threads=1
+    )
+    assert snr_db(want, streamed(int8, mel)) > 25
+    (step,) = cache.glob("*-int8-*step.onnx")
+    quantised = weight_dequantized(step)
+    assert sum(quantised.values()) == 6 * 6  # six blocks of six convolutions each

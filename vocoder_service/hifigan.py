@@ -38,6 +38,9 @@ class HifiGanConfig:
     upsample_initial_channel: int
     resblock_kernel_sizes: tuple[int, ...]
     resblock_dilation_sizes: tuple[tuple[int, ...], ...]
+    # how many residual blocks each upsampling stage has: the first n of the kernels above
+    # (None: every kernel in every stage, as in the jik876 configs)
+    resblocks_per_stage: tuple[int, ...] | None = None
     num_mels: int = 80
     sampling_rate: int = 22050
     n_fft: int = 1024
@@ -67,6 +70,14 @@ class HifiGanConfig:
             raise ValueError(
                 f"resblock kernel sizes must be odd (got {list(self.resblock_kernel_sizes)})"
             )
+        if self.resblocks_per_stage is not None and (
+            len(self.resblocks_per_stage) != len(self.upsample_rates)
+            or not all(1 <= n <= len(self.resblock_kernel_sizes) for n in self.resblocks_per_stage)
+        ):
+            raise ValueError(
+                "resblocks_per_stage needs one count per upsampling stage, each from 1 to "
+                f"{len(self.resblock_kernel_sizes)} (got {list(self.resblocks_per_stage)})"
+            )
         if self.resblock == "2" and any(len(d) != 2 for d in self.resblock_dilation_sizes):
             raise ValueError("resblock '2' needs exactly two dilations per kernel")
         if self.upsample_initial_channel % (2 ** len(self.upsample_rates)):
@@ -88,6 +99,8 @@ class HifiGanConfig:
         kw["resblock"] = str(kw["resblock"])
         for key in ("upsample_rates", "upsample_kernel_sizes", "resblock_kernel_sizes"):
             kw[key] = tuple(int(v) for v in kw[key])
+        if kw.get("resblocks_per_stage") is not None:
+            kw["resblocks_per_stage"] = tuple(int(v) for v in kw["resblocks_per_stage"])
         kw["resblock_dilation_sizes"] = tuple(
             tuple(int(v) for v in d) for d in kw["resblock_dilation_sizes"]
         )
@@ -100,8 +113,19 @@ class HifiGanConfig:
             return cls.from_dict(json.load(f))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (used to key exported models)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain-JSON form (used to key exported models); a key at its default is left out, so
+        a config that does not use it reads (and keys) as before it existed."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "resblocks_per_stage" or self.resblocks_per_stage is not None
+        }
+
+    def stage_blocks(self) -> list[list[tuple[int, tuple[int, ...]]]]:
+        """Each upsampling stage's residual blocks as (kernel, dilations), in order."""
+        blocks = list(zip(self.resblock_kernel_sizes, self.resblock_dilation_sizes))
+        counts = self.resblocks_per_stage or (len(blocks),) * len(self.upsample_rates)
+        return [blocks[:n] for n in counts]
 
     @property
     def receptive_field(self) -> tuple[int, int]:
@@ -123,15 +147,15 @@ def receptive_field_frames(config: HifiGanConfig) -> tuple[int, int]:
     Walks the network backwards with integer index intervals: a chunk padded by this much on each
     side and trimmed reproduces offline synthesis.
     """
-    widest = max(
-        resblock_reach(config, k, d)
-        for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes)
-    )
+    widest = [
+        max(resblock_reach(config, k, d) for k, d in stage) for stage in config.stage_blocks()
+    ]
     frame = 1_000  # any frame away from the edges
     edge = (EDGE_KERNEL - 1) // 2
     lo, hi = frame * config.hop_size - edge, (frame + 1) * config.hop_size - 1 + edge  # conv_post
-    for u, k in reversed(list(zip(config.upsample_rates, config.upsample_kernel_sizes))):
-        lo, hi = lo - widest, hi + widest
+    stages = zip(config.upsample_rates, config.upsample_kernel_sizes, widest)
+    for u, k, reach in reversed(list(stages)):
+        lo, hi = lo - reach, hi + reach
         p = (k - u) // 2
         # output n of a transposed conv reads inputs j with n + p - k < j*u <= n + p
         lo, hi = -((-(lo + p - k + 1)) // u), (hi + p) // u
@@ -259,28 +283,29 @@ class Generator(nn.Module):
         super().__init__()
         self.config = config
         ch = config.upsample_initial_channel
-        self.num_kernels = len(config.resblock_kernel_sizes)
         self.conv_pre = weight_norm(
             nn.Conv1d(config.num_mels, ch, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2)
         )
         block = ResBlock1 if config.resblock == "1" else ResBlock2
         self.ups = nn.ModuleList()
-        self.resblocks = nn.ModuleList()
-        for i, (u, k) in enumerate(zip(config.upsample_rates, config.upsample_kernel_sizes)):
+        self.resblocks = nn.ModuleList()  # every stage's blocks, stage after stage
+        self.stage_slices: list[slice] = []
+        self.lagging: list[int] = []  # each stage's block whose output a stream has least of
+        stages = zip(config.upsample_rates, config.upsample_kernel_sizes, config.stage_blocks())
+        for i, (u, k, blocks) in enumerate(stages):
             c_in, c_out = ch // 2**i, ch // 2 ** (i + 1)
             self.ups.append(
                 weight_norm(nn.ConvTranspose1d(c_in, c_out, k, u, padding=(k - u) // 2))
             )
-            for k_rb, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes):
+            start = len(self.resblocks)
+            for k_rb, d in blocks:
                 self.resblocks.append(block(c_out, k_rb, d))
+            self.stage_slices.append(slice(start, len(self.resblocks)))
+            reach = [resblock_reach(config, k_rb, d) for k_rb, d in blocks]
+            self.lagging.append(reach.index(max(reach)))
         self.conv_post = weight_norm(
             nn.Conv1d(c_out, 1, EDGE_KERNEL, padding=(EDGE_KERNEL - 1) // 2)
         )
-        reach = [
-            resblock_reach(config, k, d)
-            for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes)
-        ]
-        self.lagging = reach.index(max(reach))  # the block whose output a stream has least of
 
     @property
     def hop_size(self) -> int:
@@ -295,8 +320,8 @@ class Generator(nn.Module):
         x = layers.conv(self.conv_pre, mel)
         for i, up in enumerate(self.ups):
             x = layers.conv_transpose(up, x, LRELU_SLOPE)
-            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            x = layers.average([b(x, layers) for b in blocks], self.lagging)
+            blocks = self.resblocks[self.stage_slices[i]]
+            x = layers.average([b(x, layers) for b in blocks], self.lagging[i])
         # the reference uses leaky_relu's default slope (0.01) here, not LRELU_SLOPE
         x = layers.conv(self.conv_post, x, 0.01)
         return torch.tanh(x)

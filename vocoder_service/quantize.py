@@ -58,7 +58,8 @@ def int8_blocks(config: HifiGanConfig, keep: int) -> int:
     """How many of the generator's residual blocks (`Generator.resblocks`, in order) run int8:
     those of the first `stages - keep` upsampling stages."""
     check_fp32_stages(config, keep)
-    return (len(config.upsample_rates) - keep) * len(config.resblock_kernel_sizes)
+    stages = config.stage_blocks()
+    return sum(len(blocks) for blocks in stages[: len(stages) - keep])
 
 
 def calibration_key(calibration: Sequence[np.ndarray], fp32_stages: int) -> str:

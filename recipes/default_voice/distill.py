@@ -236,9 +236,11 @@ def prune_init(teacher: Generator, student: Generator, mels: list[torch.Tensor])
         w = t[f"ups.{i}"].weight[streams[i]][:, streams[i + 1]]
         stw[f"ups.{i}.weight"].copy_(w)
         stw[f"ups.{i}.bias"].copy_(t[f"ups.{i}"].bias[streams[i + 1]])
-    per_stage = len(teacher.resblocks) // stages
+    stage_of = [
+        i for i, part in enumerate(teacher.stage_slices) for _ in range(part.start, part.stop)
+    ]
     for j, block in enumerate(teacher.resblocks):
-        keep = streams[j // per_stage + 1]
+        keep = streams[stage_of[j] + 1]
         for m, (c1, c2) in enumerate(zip(block.convs1, block.convs2)):
             name = f"resblocks.{j}.convs1.{m}"
             reads = c2.weight.transpose(0, 1).flatten(1).norm(dim=1)
