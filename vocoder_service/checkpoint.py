@@ -42,19 +42,25 @@ def pretrained_checkpoint(name: str = "universal") -> Path:
 
 @dataclass(frozen=True)
 class GeneratorCheckpoint:
-    """A generator weight file and the config it was trained with."""
+    """A generator weight file and the config it was trained with. With a `base`, the file
+    holds only the weights that differ from it: the generator is the base's network with some
+    of its residual blocks left out (`config.resblocks_per_stage`) and those it keeps retrained
+    (config.json's `"base_generator"` names a pretrained generator)."""
 
     path: Path
     config: HifiGanConfig
+    base: GeneratorCheckpoint | None = None
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 over the checkpoint bytes and the config: keys exported models."""
+        """sha256 over the checkpoint bytes, the config and the base's: keys exported models."""
         h = hashlib.sha256()
         with open(self.path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         h.update(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+        if self.base is not None:
+            h.update(self.base.fingerprint.encode())
         return h.hexdigest()
 
     @property
@@ -96,7 +102,40 @@ def resolve_checkpoint(
         config_path = path.parent / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"no config.json beside {path}; pass config_path explicitly")
-    return GeneratorCheckpoint(path=path, config=HifiGanConfig.from_json(config_path))
+    with open(config_path, encoding="utf-8") as f:
+        data = json.load(f)
+    base = data.get(BASE_KEY)
+    return GeneratorCheckpoint(
+        path=path,
+        config=HifiGanConfig.from_dict(data),
+        base=None if base is None else resolve_checkpoint(pretrained_checkpoint(base)),
+    )
+
+
+BASE_KEY = "base_generator"  # config.json: the pretrained generator a weight file completes
+
+
+@torch.no_grad()
+def inherit_weights(base: Generator, generator: Generator) -> None:
+    """Every weight of `generator` from `base`'s same layer: each of its stages keeps the first
+    residual blocks of the base's stage, every other layer is the same. Both with plain
+    (folded) weights."""
+    source = base.state_dict()
+    index: dict[int, int] = {}
+    for b_part, g_part in zip(base.stage_slices, generator.stage_slices):
+        if g_part.stop - g_part.start > b_part.stop - b_part.start:
+            raise ValueError("a stage has more residual blocks than the base's")
+        for k, j in enumerate(range(g_part.start, g_part.stop)):
+            index[j] = b_part.start + k
+    for name, p in generator.state_dict().items():
+        if name.startswith("resblocks."):
+            _, block, rest = name.split(".", 2)
+            name = f"resblocks.{index[int(block)]}.{rest}"
+        if source[name].shape != p.shape:
+            raise ValueError(
+                f"{name}: {tuple(p.shape)} in the generator, {tuple(source[name].shape)} in the base"
+            )
+        p.copy_(source[name])
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -136,16 +175,22 @@ def load_generator(
         checkpoint = resolve_checkpoint(checkpoint)
     sd = read_state_dict(checkpoint.path)
     generator = Generator(checkpoint.config)
-    if not any(k.endswith("original0") for k in sd):
+    inherited: set[str] = set()
+    if checkpoint.base is not None:
+        generator.remove_weight_norm()
+        inherit_weights(load_generator(checkpoint.base), generator)
+        inherited = set(generator.state_dict())
+    elif not any(k.endswith("original0") for k in sd):
         generator.remove_weight_norm()  # weights were saved with weight norm already folded
     try:
         result = generator.load_state_dict(sd, strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise ValueError(f"{checkpoint.path} does not fit its config: {exc}") from None
-    if result.missing_keys or result.unexpected_keys:
+    missing = [k for k in result.missing_keys if k not in inherited]
+    if missing or result.unexpected_keys:
         raise ValueError(
-            f"{checkpoint.path} does not fit its config: {len(result.missing_keys)} missing keys "
-            f"(e.g. {result.missing_keys[:3]}), {len(result.unexpected_keys)} unexpected keys "
+            f"{checkpoint.path} does not fit its config: {len(missing)} missing keys "
+            f"(e.g. {missing[:3]}), {len(result.unexpected_keys)} unexpected keys "
             f"(e.g. {result.unexpected_keys[:3]}); check upsample/resblock sizes in config.json"
         )
     if remove_weight_norm:

