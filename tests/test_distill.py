@@ -206,10 +206,16 @@ def test_discriminators_score_every_layer():
     ],
 )
 def test_bad_training_flags_exit_2_with_one_line(tmp_path, flags, rule):
+    training_refuses("recipes.default_voice.distill", tmp_path, [*flags, "--device", "cpu"], rule)
+
+
+def training_refuses(module: str, tmp_path: Path, flags: list[str], rule: str) -> None:
+    """`python -m module train` on prepared data with `flags` exits 2 with `rule` on its last
+    line, no traceback and no output folder."""
     data = _data(tmp_path / "data")
     out = subprocess.run(
-        [sys.executable, "-m", "recipes.default_voice.distill", "train", "--data", str(data)]
-        + ["--out", str(tmp_path / "out"), "--device", "cpu", *flags],
+        [sys.executable, "-m", module, "train", "--data", str(data)]
+        + ["--out", str(tmp_path / "out"), *flags],
         capture_output=True,
         text=True,
         cwd=ROOT,
