@@ -164,6 +164,9 @@ def test_a_delta_without_its_weights_is_refused(tmp_path):
     save_file({"resblocks.3.convs1.0.bias": torch.zeros(3)}, str(folder / "generator.safetensors"))
     with pytest.raises(ValueError, match="does not fit its config"):
         load_generator(resolve_checkpoint(folder))
+    (folder / "config.json").write_text(json.dumps({**config, BASE_KEY: "mine"}))
+    with pytest.raises(ValueError, match="base_generator must name a pretrained generator"):
+        resolve_checkpoint(folder)
 
 
 @pytest.mark.parametrize(

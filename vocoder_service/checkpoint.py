@@ -105,6 +105,11 @@ def resolve_checkpoint(
     with open(config_path, encoding="utf-8") as f:
         data = json.load(f)
     base = data.get(BASE_KEY)
+    if base is not None and base not in PRETRAINED_NAMES:
+        raise ValueError(
+            f"{config_path}: {BASE_KEY} must name a pretrained generator, one of "
+            f"{', '.join(PRETRAINED_NAMES)} (got {base!r})"
+        )
     return GeneratorCheckpoint(
         path=path,
         config=HifiGanConfig.from_dict(data),
